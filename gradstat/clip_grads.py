@@ -1,0 +1,268 @@
+"""Megatron-LM's ``megatron.core.optimizer.clip_grads`` API, exact and on any device.
+
+Same names, signatures and semantics as Megatron's module, with what an offline tool needs:
+CPU (gloo) or CUDA (NCCL) tensors, groups given as ProcessGroups or rank()/size() objects,
+float64 accuracy, an empty gradient list allowed, and plain Python floats as results.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import kernels
+from .errors import GradDtypeError, NormTypeError
+from .groups import RankLike, all_reduce, dtensor_stats_group, stats_device, to_local
+from .predicates import (
+    gtp_local_pad_zero_count,
+    param_is_not_gtp_duplicate,
+    param_is_not_shared,
+    param_is_not_tensor_parallel_duplicate,
+)
+from .predicates import gtp_pad_zero_count as _gtp_pad_zero_count
+
+__all__ = [
+    "clip_grad_by_total_norm_fp32",
+    "count_zeros_fp32",
+    "get_grad_norm_fp32",
+    "grads_for_norm",
+    "gtp_local_pad_zero_count",
+    "param_is_not_gtp_duplicate",
+    "param_is_not_shared",
+    "param_is_not_tensor_parallel_duplicate",
+]
+
+_TensorOrList = Tensor | Iterable[Tensor]
+
+
+def _as_list(tensors: _TensorOrList) -> list[Any]:
+    return [tensors] if isinstance(tensors, Tensor) else list(tensors)
+
+
+def check_norm_type(norm_type: Any) -> float:
+    """The norm type as a float: 2, inf, 1 or any finite p > 0.
+
+    Raises:
+        NormTypeError: anything else (0, negative, nan, -inf, a string, a bool).
+    """
+    if isinstance(norm_type, numbers.Real) and not isinstance(norm_type, bool):
+        value = float(norm_type)
+        if value > 0 and not math.isnan(value):
+            return value
+    raise NormTypeError(
+        f"norm_type {norm_type!r} is not supported; use 2, 1, math.inf or a finite p > 0"
+    )
+
+
+def _dtensor_group(grads: list[Tensor]) -> dist.ProcessGroup | None:
+    """The DTensor mesh group of the gradients, as Megatron picks it (the last one found)."""
+    group = None
+    for grad in grads:
+        group = dtensor_stats_group(grad) or group
+    return group
+
+
+def get_grad_norm_fp32(
+    grads_for_norm: _TensorOrList,
+    norm_type: float = 2,
+    grad_stats_parallel_group: dist.ProcessGroup | None = None,
+) -> float:
+    """The p-norm of all gradients, treated as one vector, reduced over the stats group.
+
+    Each rank computes sum |x|^p of its own gradients (max |x| for inf) in float64, sums it over
+    a DTensor's mesh group when the gradients are DTensors, then over
+    ``grad_stats_parallel_group``, and takes the p-th root. Callers pass only the gradients that
+    count (see :func:`grads_for_norm`).
+
+    Args:
+        grads_for_norm: a tensor or an iterable of tensors (fp32, bf16, fp16 or fp64; DTensors
+            contribute their local shard).
+        norm_type: 2, 1, ``math.inf`` or any finite p > 0.
+        grad_stats_parallel_group: the group the statistics are reduced over. None: the default
+            group when torch.distributed is initialized, no reduction otherwise.
+
+    Returns:
+        The norm as a Python float (0.0 for an empty list; NaN/inf when a gradient is).
+
+    Raises:
+        NormTypeError: an unsupported ``norm_type``.
+        GradDtypeError: a gradient of an unsupported dtype.
+    """
+    p = check_norm_type(norm_type)
+    grads = _as_list(grads_for_norm)
+    mesh_group = _dtensor_group(grads)
+    local_grads = [to_local(grad).detach() for grad in grads]
+    device = stats_device(local_grads, mesh_group, grad_stats_parallel_group)
+    if p == math.inf:
+        stat, op = kernels.abs_max(local_grads, device), dist.ReduceOp.MAX
+    else:
+        stat, op = kernels.power_sum(local_grads, p, device), dist.ReduceOp.SUM
+    # Every rank joins the reductions, also one with no gradients: skipping would hang the rest.
+    if mesh_group is not None:
+        all_reduce(stat, op, mesh_group)
+    all_reduce(stat, op, grad_stats_parallel_group)
+    total = float(stat)
+    if p == math.inf:
+        return total
+    return math.sqrt(total) if p == 2 else total ** (1.0 / p)
+
+
+def _grads_of(parameters: _TensorOrList, use_decoupled_grad: bool) -> list[Tensor]:
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    allowed = (torch.float32, torch.bfloat16) if use_decoupled_grad else (torch.float32,)
+    grads = []
+    for param in _as_list(parameters):
+        grad = getattr(param, attr, None)
+        if grad is None:
+            continue
+        if grad.dtype not in allowed:
+            names = " or ".join(str(dtype).removeprefix("torch.") for dtype in allowed)
+            raise GradDtypeError(
+                f"clip_grad_by_total_norm_fp32: .{attr} of a parameter of shape "
+                f"{tuple(param.shape)} is {str(grad.dtype).removeprefix('torch.')}; "
+                f"it must be {names}"
+            )
+        grads.append(to_local(grad).detach())
+    return grads
+
+
+def clip_grad_by_total_norm_fp32(
+    parameters: _TensorOrList,
+    max_norm: float,
+    total_norm: float | Tensor,
+    use_decoupled_grad: bool = False,
+) -> None:
+    """Scale every gradient in place by ``max_norm / (total_norm + 1e-6)`` when that is < 1.
+
+    Gradients are left bitwise untouched when the coefficient is >= 1 (or NaN, as in Megatron).
+
+    Args:
+        parameters: a tensor or an iterable of tensors whose ``.grad`` (fp32) or
+            ``.decoupled_grad`` (fp32 or bf16) is scaled; params without one are skipped.
+        max_norm: the largest total norm allowed, > 0.
+        total_norm: the current total norm, a float or a 0-dim tensor.
+        use_decoupled_grad: scale ``.decoupled_grad`` instead of ``.grad``.
+
+    Raises:
+        ValueError: ``max_norm`` is not a positive number.
+        GradDtypeError: a ``.grad`` that is not fp32, or a ``.decoupled_grad`` that is not
+            fp32/bf16 (Megatron asserts the same).
+    """
+    if not max_norm > 0:
+        raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
+    grads = _grads_of(parameters, use_decoupled_grad)
+    clip_coeff = float(max_norm) / (float(total_norm) + 1.0e-6)
+    if grads and clip_coeff < 1.0:
+        torch._foreach_mul_(grads, clip_coeff)
+
+
+def _counts(
+    param: Any, tp_groups: tuple[RankLike | None, ...], gtp_groups: tuple[RankLike | None, ...]
+) -> bool:
+    return (
+        param_is_not_shared(param)
+        and param_is_not_tensor_parallel_duplicate(param, *tp_groups)
+        and param_is_not_gtp_duplicate(param, *gtp_groups)
+    )
+
+
+def grads_for_norm(
+    parameters: _TensorOrList,
+    *,
+    use_decoupled_grad: bool = False,
+    tp_group: RankLike | None = None,
+    expert_tp_group: RankLike | None = None,
+    gtp_group: RankLike | None = None,
+    expert_gtp_group: RankLike | None = None,
+) -> list[Tensor]:
+    """The gradients that count towards the norm, as Megatron's optimizer selects them.
+
+    Skips params without a gradient, ``shared`` copies, TP/ETP duplicates and GTP/EGTP
+    duplicates. Megatron-FSDP params (``__fsdp_param__``) always count. The result is what
+    :func:`get_grad_norm_fp32` expects.
+    """
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    tp_groups, gtp_groups = (tp_group, expert_tp_group), (gtp_group, expert_gtp_group)
+    selected = []
+    for param in _as_list(parameters):
+        grad = getattr(param, attr, None)
+        if grad is None:
+            continue
+        if getattr(param, "__fsdp_param__", False) or _counts(param, tp_groups, gtp_groups):
+            selected.append(grad)
+    return selected
+
+
+def count_zeros_fp32(
+    parameters: _TensorOrList,
+    grad_stats_parallel_group: dist.ProcessGroup | None,
+    use_decoupled_grad: bool = False,
+    tp_group: RankLike | None = None,
+    expert_tp_group: RankLike | None = None,
+    *,
+    gtp_group: RankLike | None = None,
+    expert_gtp_group: RankLike | None = None,
+) -> float:
+    """The number of zero gradient elements, each logical parameter counted once.
+
+    Skips params without a gradient, ``shared`` copies, TP/ETP and GTP/EGTP duplicates, and
+    excludes GTP alignment padding. Megatron-FSDP params (``__fsdp_param__``) count their local
+    DTensor shard with no further data-parallel reduction. Counts are summed over a DTensor's
+    mesh group, then over ``grad_stats_parallel_group``.
+
+    Args:
+        parameters: a tensor or an iterable of tensors carrying Megatron's attributes.
+        grad_stats_parallel_group: the group counts are summed over (None: the default group
+            when torch.distributed is initialized, no reduction otherwise).
+        use_decoupled_grad: read ``.decoupled_grad`` instead of ``.grad``.
+        tp_group: the TP group (ProcessGroup or rank()/size() object), None: not split.
+        expert_tp_group: the expert TP group, for ``allreduce=False`` params.
+        gtp_group: the GTP group, for params replicated over GTP.
+        expert_gtp_group: the expert GTP group.
+
+    Returns:
+        The count as a float holding an exact integer.
+
+    Raises:
+        ValueError: Megatron-FSDP params mixed with DTensor gradients that need a DP reduction.
+        GradDtypeError: a gradient of an unsupported dtype.
+    """
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    tp_groups, gtp_groups = (tp_group, expert_tp_group), (gtp_group, expert_gtp_group)
+    counted: list[Tensor] = []
+    numel = pad_zeros = 0
+    mesh_group = None
+    uses_megatron_fsdp = False
+    for param in _as_list(parameters):
+        grad = getattr(param, attr, None)
+        if grad is None:
+            continue
+        if getattr(param, "__fsdp_param__", False):
+            uses_megatron_fsdp = True
+            local = to_local(grad).detach()
+        elif _counts(param, tp_groups, gtp_groups):
+            mesh_group = dtensor_stats_group(grad) or mesh_group
+            local = to_local(grad).detach()
+            pad_zeros += _gtp_pad_zero_count(param, local)
+        else:
+            continue
+        kernels.check_dtype(local)
+        counted.append(local)
+        numel += local.numel()
+    if uses_megatron_fsdp and mesh_group is not None:
+        raise ValueError(
+            "Megatron-FSDP params (__fsdp_param__) are mixed with DTensor gradients that need a "
+            "data-parallel reduction; FSDP has already reduced its gradients over DP"
+        )
+    device = stats_device(counted, mesh_group, grad_stats_parallel_group)
+    zeros = numel - pad_zeros - kernels.nonzero_count(counted, device)
+    if mesh_group is not None:
+        all_reduce(zeros, dist.ReduceOp.SUM, mesh_group)
+    all_reduce(zeros, dist.ReduceOp.SUM, grad_stats_parallel_group)
+    return float(int(zeros))

@@ -1,0 +1,19 @@
+"""The one exception family gradstat raises on purpose."""
+
+from __future__ import annotations
+
+
+class GradstatError(Exception):
+    """Base of every error gradstat raises deliberately; its message is meant for the user."""
+
+
+class NormTypeError(GradstatError, ValueError):
+    """A norm type outside 2, inf, 1 and finite p > 0."""
+
+
+class GradDtypeError(GradstatError, TypeError):
+    """A gradient whose dtype the operation does not accept."""
+
+
+class AttributeMismatchError(GradstatError, ValueError):
+    """A parameter's attributes contradict its tensor (for example pad_length beyond the shard)."""

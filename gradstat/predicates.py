@@ -1,0 +1,127 @@
+"""Which gradients count: Megatron's parameter-attribute predicates and GTP padding.
+
+A parameter is counted once per logical tensor: ``shared`` copies of tied weights are skipped,
+replicas over tensor parallelism (TP, or ETP for expert parameters) count only on TP rank 0, and
+replicas over generalized tensor parallelism (GTP, or EGTP) only on GTP rank 0. GTP shards carry
+alignment padding: zero rows that were never gradients and must not count as zero gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import AttributeMismatchError
+from .groups import RankLike, group_rank, group_size
+
+__all__ = [
+    "gtp_local_pad_zero_count",
+    "gtp_pad_zero_count",
+    "is_expert",
+    "param_is_not_gtp_duplicate",
+    "param_is_not_shared",
+    "param_is_not_tensor_parallel_duplicate",
+]
+
+
+def is_expert(param: Any) -> bool:
+    """Expert (MoE) parameters are marked ``allreduce=False``."""
+    return not getattr(param, "allreduce", True)
+
+
+def param_is_not_shared(param: Any) -> bool:
+    """False for the second copy of a tied weight (``shared=True``), which must not count."""
+    return not getattr(param, "shared", False)
+
+
+def param_is_not_tensor_parallel_duplicate(
+    param: Any, tp_group: RankLike | None = None, expert_tp_group: RankLike | None = None
+) -> bool:
+    """True unless ``param`` is a TP replica held by a TP rank other than 0.
+
+    Args:
+        param: a tensor carrying Megatron's attributes.
+        tp_group: the dense TP group, or anything with rank()/size(); None: TP not split.
+        expert_tp_group: the expert TP group, used for ``allreduce=False`` params.
+    """
+    if getattr(param, "tensor_model_parallel", False):
+        return True
+    return group_rank(expert_tp_group if is_expert(param) else tp_group) == 0
+
+
+def param_is_not_gtp_duplicate(
+    param: Any, gtp_group: RankLike | None = None, expert_gtp_group: RankLike | None = None
+) -> bool:
+    """True unless ``param`` is replicated over GTP and held by a GTP rank other than 0.
+
+    GTP shards carry ``is_gtp_weight_remat``; everything else is a full copy on every GTP rank.
+    """
+    if getattr(param, "is_gtp_weight_remat", False):
+        return True
+    return group_rank(expert_gtp_group if is_expert(param) else gtp_group) == 0
+
+
+def _param_label(param: Any) -> str:
+    # Rebuilt snapshot params carry their logical name; live ones are named by shape.
+    name = getattr(param, "_gradstat_name", None)
+    shape = tuple(getattr(param, "shape", ()))
+    return f"GTP shard {name!r} {shape}" if name else f"GTP shard of shape {shape}"
+
+
+def gtp_local_pad_zero_count(gtp_shard: Any, range_start: int, range_end: int) -> int:
+    """Padding elements of a GTP shard inside its flat element range [range_start, range_end).
+
+    The padded tensor has ``rows * gtp_size`` rows, the last ``pad_length`` of them padding; this
+    shard holds rows ``[gtp_rank * rows, (gtp_rank + 1) * rows)``. Padding longer than one
+    shard spills into lower ranks' shards, so a shard can be partly or entirely padding.
+
+    Args:
+        gtp_shard: the rank's GTP shard, carrying ``pad_length`` and ``group`` (rank()/size()).
+        range_start: first flat element of the range (a distributed-optimizer fragment's start).
+        range_end: one past its last element.
+
+    Returns:
+        The number of padding elements in the range.
+
+    Raises:
+        AttributeMismatchError: pad_length beyond the padded tensor, or a range outside the shard.
+    """
+    numel = int(gtp_shard.numel())
+    if not 0 <= range_start <= range_end <= numel:
+        raise AttributeMismatchError(
+            f"{_param_label(gtp_shard)}: range [{range_start}, {range_end}) is outside its "
+            f"{numel} elements"
+        )
+    pad_length = int(getattr(gtp_shard, "pad_length", 0) or 0)
+    if pad_length == 0 or numel == 0:
+        return 0
+    rows = int(gtp_shard.shape[0]) if gtp_shard.dim() > 0 else 1
+    group = getattr(gtp_shard, "group", None)
+    gtp_rank, gtp_size = group_rank(group), group_size(group)
+    padded_rows = rows * gtp_size
+    if not 0 <= pad_length <= padded_rows:
+        raise AttributeMismatchError(
+            f"{_param_label(gtp_shard)}: pad_length {pad_length} exceeds the {padded_rows} rows "
+            f"of the padded tensor ({rows} rows x GTP size {gtp_size})"
+        )
+    row_numel = numel // rows
+    first_pad_row = min(max(padded_rows - pad_length - gtp_rank * rows, 0), rows)
+    pad_start = first_pad_row * row_numel
+    return max(0, min(range_end, numel) - max(range_start, pad_start))
+
+
+def gtp_pad_zero_count(param: Any, grad: Any) -> int:
+    """Structural GTP padding zeros to subtract from ``grad``'s raw zero count.
+
+    A distributed-optimizer fragment carries the count stamped as ``gtp_pad_zeros`` (only the
+    optimizer knows the fragment's offset). A whole, unstamped GTP shard gets it computed from
+    ``pad_length`` and its GTP rank. Anything else has no padding to exclude. Nothing is written
+    onto ``param``: the computation is a few integer operations.
+    """
+    stamped = getattr(param, "gtp_pad_zeros", None)
+    if stamped is not None:
+        return int(stamped)
+    if not getattr(param, "is_gtp_weight_remat", False):
+        return 0
+    if int(grad.numel()) != int(param.numel()):
+        return 0
+    return gtp_local_pad_zero_count(param, 0, int(param.numel()))
