@@ -38,7 +38,19 @@ _LAZY = {
     "AxisPlace": "groups",
 }
 
-__all__ = ["__version__", *_LAZY]
+__all__ = [
+    "AxisPlace",
+    "GradstatError",
+    "__version__",
+    "clip_grad_by_total_norm_fp32",
+    "count_zeros_fp32",
+    "get_grad_norm_fp32",
+    "grads_for_norm",
+    "gtp_local_pad_zero_count",
+    "param_is_not_gtp_duplicate",
+    "param_is_not_shared",
+    "param_is_not_tensor_parallel_duplicate",
+]
 
 
 def __getattr__(name: str) -> Any:

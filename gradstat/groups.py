@@ -13,6 +13,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+try:
+    from torch.distributed.tensor import DTensor
+
+    _HAVE_DTENSOR = True
+except ImportError:  # a torch built without distributed support has no DTensor
+    _HAVE_DTENSOR = False
+
 __all__ = [
     "AxisPlace",
     "RankLike",
@@ -83,9 +90,7 @@ def _backend_device(group: dist.ProcessGroup | None) -> str | None:
     return None
 
 
-def stats_device(
-    grads: list[Tensor], *groups: dist.ProcessGroup | None
-) -> torch.device:
+def stats_device(grads: list[Tensor], *groups: dist.ProcessGroup | None) -> torch.device:
     """Where a statistic lives so that every reduction it goes through accepts it.
 
     The gradients' device wins when the groups allow it (CPU over gloo, CUDA over NCCL); a rank
@@ -124,21 +129,14 @@ def all_reduce(stat: Tensor, op: dist.ReduceOp.RedOpType, group: Any) -> Tensor:
     return stat
 
 
-def _dtensor_type() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed support
-        return None
-    return DTensor
+def _as_dtensor(grad: Tensor) -> DTensor | None:
+    return grad if _HAVE_DTENSOR and isinstance(grad, DTensor) else None
 
 
 def to_local(grad: Tensor) -> Tensor:
     """The local shard of a DTensor gradient; any other tensor as it is."""
-    dtensor = _dtensor_type()
-    if dtensor is not None and isinstance(grad, dtensor):
-        local: Tensor = grad.to_local()
-        return local
-    return grad
+    dtensor = _as_dtensor(grad)
+    return grad if dtensor is None else dtensor.to_local()
 
 
 def dtensor_stats_group(grad: Tensor) -> dist.ProcessGroup | None:
@@ -149,12 +147,11 @@ def dtensor_stats_group(grad: Tensor) -> dist.ProcessGroup | None:
     Raises:
         ValueError: a mesh of three or more dimensions, which Megatron does not support either.
     """
-    dtensor = _dtensor_type()
-    if dtensor is None or not isinstance(grad, dtensor):
+    dtensor = _as_dtensor(grad)
+    if dtensor is None:
         return None
-    mesh = grad.device_mesh
-    if mesh.ndim == 1:
-        return mesh.get_group()
-    if mesh.ndim == 2:
-        return mesh.get_group(mesh_dim=1)
+    mesh = dtensor.device_mesh
+    if mesh.ndim in (1, 2):
+        group: dist.ProcessGroup = mesh.get_group(mesh_dim=mesh.ndim - 1)
+        return group
     raise ValueError(f"DTensor gradients on a {mesh.ndim}-D device mesh are not supported")

@@ -1,0 +1,78 @@
+"""The core on CUDA tensors, where a GPU exists; skipped cleanly elsewhere."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradstat import clip_grad_by_total_norm_fp32, count_zeros_fp32, get_grad_norm_fp32
+from tests._oracle import float64_norm, rel_err, zeros_in
+from tests._params import param_with
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("norm_type", [2, 1, 3, math.inf])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_norm_on_cuda_matches_float64(norm_type: float, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    cpu_grads = [torch.randn(shape, generator=gen).to(dtype) for shape in [(2000, 999), (5,)]]
+    cuda_grads = [grad.cuda() for grad in cpu_grads]
+    expected = float64_norm(cpu_grads, norm_type)
+    got = get_grad_norm_fp32(cuda_grads, norm_type)
+    if norm_type == math.inf:
+        assert got == expected
+    else:
+        assert rel_err(got, expected) <= 1e-6
+
+
+def test_l2_of_1e8_cuda_elements_within_1e6() -> None:
+    gen = torch.Generator().manual_seed(1)
+    grad = torch.randn(100_000_003, generator=gen)
+    expected = float64_norm([grad], 2)
+    assert rel_err(get_grad_norm_fp32([grad.cuda()]), expected) <= 1e-6
+
+
+def test_count_zeros_and_clip_on_cuda() -> None:
+    grad = torch.randn(3000, 7)
+    grad[::5] = 0.0
+    param = param_with(grad.cuda())
+    assert count_zeros_fp32([param], None) == zeros_in([grad])
+    clip_grad_by_total_norm_fp32([param], 1.0, 10.0)
+    assert param.grad.device.type == "cuda"
+    torch.testing.assert_close(param.grad.cpu().double(), grad.double() / (10.0 + 1e-6))
+
+
+def test_nccl_single_rank_reduction(tmp_path: Path) -> None:
+    """A one-rank NCCL group: statistics travel as CUDA tensors and come back as floats."""
+    script = textwrap.dedent(
+        f"""
+        import torch, torch.distributed as dist
+        from gradstat import get_grad_norm_fp32, count_zeros_fp32
+        dist.init_process_group("nccl", init_method="file://{tmp_path}/rdzv", rank=0,
+                                world_size=1)
+        torch.cuda.set_device(0)
+        grad = torch.full((1000,), 2.0, device="cuda")
+        grad[:10] = 0
+        param = torch.nn.Parameter(torch.zeros_like(grad))
+        param.grad = grad
+        print(get_grad_norm_fp32([grad], 2, dist.group.WORLD), count_zeros_fp32([param], None))
+        print(get_grad_norm_fp32([], 2, None))
+        dist.destroy_process_group()
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    first, second = result.stdout.split("\n")[:2]
+    norm, zeros = first.split()
+    assert float(norm) == pytest.approx(math.sqrt(990 * 4.0), rel=1e-12)
+    assert float(zeros) == 10.0
+    assert float(second) == 0.0
