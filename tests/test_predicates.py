@@ -119,6 +119,16 @@ def test_stamped_pad_zeros_win_and_unplaced_fragments_count_none() -> None:
     assert clip_grads._gtp_pad_zero_count(plain, plain.grad) == 0
 
 
+def test_unstamped_flat_fragment_with_copied_attributes_counts_no_padding() -> None:
+    """A fragment alone cannot tell where it sits in the shard: nothing is subtracted."""
+    shard, _ = gtp_shard(10, 3, 4, 2, 4)  # rows 2-3 of this 4-row shard are padding
+    for flat in (shard.grad.reshape(-1), shard.grad.reshape(-1)[6:]):
+        fragment = param_with(
+            flat.clone(), is_gtp_weight_remat=True, pad_length=shard.pad_length, group=shard.group
+        )
+        assert clip_grads._gtp_pad_zero_count(fragment, fragment.grad) == 0
+
+
 def test_gtp_pad_count_is_not_cached_onto_the_param() -> None:
     shard, _ = gtp_shard(48, 5, 16, 1, 2)
     clip_grads._gtp_pad_zero_count(shard, shard.grad)

@@ -1,0 +1,196 @@
+"""Gradient norms and zero counts over real gloo process groups, against the unsharded oracle.
+
+Every layout shards one small model's gradients the way Megatron lays them out, runs gradstat on
+each rank with that rank's shard and groups, and compares every rank's answer with float64
+statistics of the unsharded gradients. The layouts of one world size share a single spawn (a
+process start costs seconds on two cores); each layout still passes or fails on its own.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torch import Tensor
+
+from tests._layouts import (
+    EMBEDDING,
+    NORM_TYPES,
+    Case,
+    DTensorCase,
+    LaunchReport,
+    Layout,
+    dtensor_grads,
+    full_grads,
+    gtp_geometry,
+    launch,
+    oracle_grads,
+    raise_on_last_rank,
+    run_dtensor,
+    run_layout,
+)
+from tests._oracle import float64_norm, zeros_in
+
+LAYOUTS = [
+    # world size 2
+    Layout("tp2", tp=2),
+    Layout("gtp2", gtp=2),
+    Layout("dp2_ep2_moe", dp=2, ep=2, moe=True),
+    # world size 4
+    Layout("tp2_pp2_tied", tp=2, pp=2),
+    Layout("tp2_dp2_plain", tp=2, dp=2),
+    Layout("tp2_dp2_distopt", tp=2, dp=2, distopt=True),
+    Layout("pp2_dp2_distopt_tied", pp=2, dp=2, distopt=True),
+    Layout("tp2_dp2_ep2_etp2_moe", tp=2, dp=2, ep=2, etp=2, moe=True),
+    Layout("gtp4_spill_axis_places", gtp=4, align=8, axis_places=True),
+    Layout("gtp2_dp2_distopt", gtp=2, dp=2, distopt=True),
+    Layout("gtp2_dp2_ep2_egtp2_moe_spill", gtp=2, dp=2, ep=2, egtp=2, moe=True, align=8),
+    # world size 8
+    Layout("tp2_pp2_dp2_ep2_moe_distopt", tp=2, pp=2, dp=2, ep=2, moe=True, distopt=True),
+    Layout("tp2_gtp2_dp2_plain", tp=2, gtp=2, dp=2),
+    Layout("gtp4_dp2_distopt_spill", gtp=4, dp=2, align=8, distopt=True),
+    Layout("tp2_pp4_tied", tp=2, pp=4),
+    Layout("tp2_dp4_ep4_etp2_moe_distopt", tp=2, dp=4, ep=4, etp=2, moe=True, distopt=True),
+]
+
+# Negative controls: the same machinery with one thing broken on purpose.
+UNTIED = Layout("neg_pp2_dp2_distopt_untied", pp=2, dp=2, distopt=True, untie_output_copy=True)
+UNSTAMPED = Layout(
+    "neg_gtp2_dp2_distopt_unstamped", gtp=2, dp=2, distopt=True, stamp_pad_zeros=False
+)
+NEGATIVE_CONTROLS = [UNTIED, UNSTAMPED]
+
+DTENSOR_CASES = [
+    DTensorCase("dtensor_fsdp2", tp=1, dp=2),
+    DTensorCase("dtensor_tp2_fsdp2", tp=2, dp=2),
+]
+
+
+def _cases(world_size: int) -> list[Case]:
+    layouts = [layout for layout in LAYOUTS + NEGATIVE_CONTROLS if layout.world_size == world_size]
+    dtensors = [case for case in DTENSOR_CASES if case.world_size == world_size]
+    return [Case(layout.name, run_layout, layout) for layout in layouts] + [
+        Case(case.name, run_dtensor, case) for case in dtensors
+    ]
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], LaunchReport]:
+    """One spawn per world size, shared by every case of that size (started on first use)."""
+    reports: dict[int, LaunchReport | Exception] = {}
+
+    def report(world_size: int) -> LaunchReport:
+        if world_size not in reports:
+            run_dir = tmp_path_factory.mktemp(f"world{world_size}")
+            try:
+                reports[world_size] = launch(world_size, run_dir, _cases(world_size))
+            except Exception as error:  # failed to start: fail every case, start once
+                reports[world_size] = error
+        outcome = reports[world_size]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    return report
+
+
+def _expected(grads: list[Tensor], extra_zeros: int = 0) -> dict[str, Any]:
+    """float64 norms and zero count of unsharded gradients, in the shape the ranks report."""
+    norms = {p: float64_norm(grads, p) for p in NORM_TYPES}
+    return {"norms": norms, "zeros": zeros_in(grads) + extra_zeros}
+
+
+def _assert_matches(got: dict[str, Any], expected: dict[str, Any], what: str) -> None:
+    for p in NORM_TYPES:
+        want = expected["norms"][p]
+        if p == math.inf:
+            assert got["norms"][p] == want, f"{what}: inf-norm {got['norms'][p]!r} != {want!r}"
+        else:
+            assert math.isclose(got["norms"][p], want, rel_tol=1e-6), (
+                f"{what}: {p}-norm {got['norms'][p]!r} != {want!r}"
+            )
+    assert got["zeros"] == expected["zeros"], f"{what}: {got['zeros']} != {expected['zeros']} zeros"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.name)
+def test_layout_matches_unsharded_oracle(
+    layout: Layout, spawned: Callable[[int], LaunchReport]
+) -> None:
+    per_rank = spawned(layout.world_size).values(layout.name)
+    grads = oracle_grads(layout.moe)
+    categories = ("dense", "expert", "total") if layout.moe else ("total",)
+    for category in categories:
+        expected = _expected(grads[category])
+        for rank, got in enumerate(per_rank):
+            _assert_matches(got[category], expected, f"rank {rank} {category}")
+    if layout.distopt and gtp_geometry(layout):
+        # Some fragment must end or start inside the padding, not only cover it whole or miss it.
+        stamped = [fragment for got in per_rank for fragment in got["stamped"]]
+        assert any(0 < pad < numel for pad, numel in stamped), stamped
+
+
+def test_layouts_cover_padding_that_spills_into_lower_gtp_ranks() -> None:
+    by_name = {layout.name: layout for layout in LAYOUTS}
+    spilling = ("gtp4_spill_axis_places", "gtp4_dp2_distopt_spill", "gtp2_dp2_ep2_egtp2_moe_spill")
+    for name in spilling:
+        assert any(shard.spills for shard in gtp_geometry(by_name[name])), name
+    # The plain GTP layout pads without spilling, so both shapes of padding are exercised.
+    geometry = gtp_geometry(by_name["gtp2"])
+    assert any(shard.pad_rows for shard in geometry)
+    assert not any(shard.spills for shard in geometry)
+
+
+def test_untied_output_copy_counts_the_embedding_twice(
+    spawned: Callable[[int], LaunchReport],
+) -> None:
+    correct = oracle_grads(moe=False)["total"]
+    embedding = full_grads(moe=False)[EMBEDDING]
+    doubled = _expected([*correct, embedding])
+    assert doubled["norms"][2] > float64_norm(correct, 2) * 1.01, "the embedding must show"
+    assert zeros_in([embedding]) > 0
+    for rank, got in enumerate(spawned(UNTIED.world_size).values(UNTIED.name)):
+        _assert_matches(got["total"], doubled, f"rank {rank} (untied copy)")
+
+
+def test_fragments_stamped_without_padding_overcount_by_the_pad_elements(
+    spawned: Callable[[int], LaunchReport],
+) -> None:
+    pad_elements = sum(shard.pad_elements for shard in gtp_geometry(UNSTAMPED))
+    assert pad_elements > 0
+    overcounted = _expected(oracle_grads(moe=False)["total"], extra_zeros=pad_elements)
+    for rank, got in enumerate(spawned(UNSTAMPED.world_size).values(UNSTAMPED.name)):
+        _assert_matches(got["total"], overcounted, f"rank {rank} (unstamped fragments)")
+
+
+@pytest.mark.parametrize("case", DTENSOR_CASES, ids=lambda case: case.name)
+def test_dtensor_shard0_grads_match_unsharded_oracle(
+    case: DTensorCase, spawned: Callable[[int], LaunchReport]
+) -> None:
+    per_rank = spawned(case.world_size).values(case.name)
+    expected = _expected([grad for grad, _ in dtensor_grads().values()])
+    for rank, got in enumerate(per_rank):
+        assert got["dp_size"] == case.dp
+        _assert_matches(got, expected, f"rank {rank} ({case.name})")
+    # Uneven Shard(0): some local shards are shorter than others, one is empty.
+    local_rows = [got["local_rows"] for got in per_rank]
+    assert len({tuple(rows) for rows in local_rows}) > 1
+    assert any(0 in rows for rows in local_rows)
+
+
+def test_launcher_reports_a_rank_traceback_and_stops_the_waiting_ranks(tmp_path: Path) -> None:
+    started = time.monotonic()
+    message = "deliberate failure on the last rank"
+    report = launch(2, tmp_path, [Case("fails", raise_on_last_rank, message)], grace_s=1)
+    elapsed = time.monotonic() - started
+    with pytest.raises(AssertionError) as failure:
+        report.values("fails")
+    text = str(failure.value)
+    assert "ValueError: " + message in text
+    assert "raise_on_last_rank" in text
+    assert "rank 0 outlived a failed rank and was killed" in text
+    # Rank 0 would have slept for 600 s; the launcher killed it a grace second after rank 1.
+    assert elapsed < 60, elapsed
