@@ -32,7 +32,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # the same time; their outputs are a 0.2% second pass.
 ROW = 512
 # Low-precision gradients are upcast to fp32 this many elements at a time, into one reused
-# buffer that stays in cache (a multiple of ROW, so only a tensor's last block has a tail).
+# buffer that stays in cache (a multiple of ROW, so a full buffer has no tail).
 UPCAST_BLOCK = 1 << 20
 # Below this sum of p-th powers, fp32 squares may have lost precision to subnormals: recompute
 # in float64. Bounded error above it: (elements x 2^-150) / 2^-90, under 1e-8 for 2^34 elements.
@@ -79,24 +79,49 @@ class _RowNorms:
         return total
 
 
+class _Upcaster:
+    """Packs bf16/fp16 gradients back to back into one reused fp32 buffer that stays in cache.
+
+    Rows may straddle tensors (the sum does not care), so small tensors share one norm call
+    and leave no tails; only the final partial buffer has one.
+    """
+
+    def __init__(self, rows: _RowNorms, device: torch.device) -> None:
+        self.rows = rows
+        self.buffer = torch.empty(UPCAST_BLOCK, dtype=torch.float32, device=device)
+        self.used = 0
+
+    def add(self, flat: Tensor) -> None:
+        start = 0
+        while start < flat.numel():
+            take = min(flat.numel() - start, UPCAST_BLOCK - self.used)
+            self.buffer[self.used : self.used + take].copy_(flat[start : start + take])
+            self.used += take
+            start += take
+            if self.used == UPCAST_BLOCK:
+                self.flush()
+
+    def flush(self) -> None:
+        if self.used:
+            self.rows.add(self.buffer[: self.used])
+            self.used = 0
+
+
 def _rows_power_sum(grads: Sequence[Tensor], p: int, device: torch.device) -> Tensor:
     """Sum of |x|^p (p = 1 or 2) from fp32 norms of ROW-element rows, combined in float64."""
     rows = _RowNorms(p, device)
-    upcast: dict[torch.device, Tensor] = {}
+    upcasters: dict[torch.device, _Upcaster] = {}
     for grad in grads:
         flat = grad.reshape(-1)
         if flat.dtype in (torch.float32, torch.float64):
             rows.add(flat)
             continue
-        # bf16/fp16: upcast a block at a time into one reused buffer that stays in cache.
-        buffer = upcast.get(flat.device)
-        if buffer is None:
-            buffer = upcast[flat.device] = torch.empty(
-                UPCAST_BLOCK, dtype=torch.float32, device=flat.device
-            )
-        for start in range(0, flat.numel(), UPCAST_BLOCK):
-            block = flat[start : start + UPCAST_BLOCK]
-            rows.add(buffer[: block.numel()].copy_(block))
+        upcaster = upcasters.get(flat.device)
+        if upcaster is None:
+            upcaster = upcasters[flat.device] = _Upcaster(rows, flat.device)
+        upcaster.add(flat)
+    for upcaster in upcasters.values():
+        upcaster.flush()
     return rows.total()
 
 
