@@ -39,9 +39,11 @@ __all__ = [
 ]
 
 _TensorOrList = Tensor | Iterable[Tensor]
+# Parameters: tensors carrying Megatron's attributes, or any object that duck-types them.
+_Params = Tensor | Iterable[Any]
 
 
-def _as_list(tensors: _TensorOrList) -> list[Any]:
+def _as_list(tensors: _Params) -> list[Any]:
     return [tensors] if isinstance(tensors, Tensor) else list(tensors)
 
 
@@ -113,7 +115,7 @@ def get_grad_norm_fp32(
     return math.sqrt(total) if p == 2 else total ** (1.0 / p)
 
 
-def _grads_of(parameters: _TensorOrList, use_decoupled_grad: bool) -> list[Tensor]:
+def _grads_of(parameters: _Params, use_decoupled_grad: bool) -> list[Tensor]:
     attr = "decoupled_grad" if use_decoupled_grad else "grad"
     allowed = (torch.float32, torch.bfloat16) if use_decoupled_grad else (torch.float32,)
     grads = []
@@ -133,7 +135,7 @@ def _grads_of(parameters: _TensorOrList, use_decoupled_grad: bool) -> list[Tenso
 
 
 def clip_grad_by_total_norm_fp32(
-    parameters: _TensorOrList,
+    parameters: _Params,
     max_norm: float,
     total_norm: float | Tensor,
     use_decoupled_grad: bool = False,
@@ -173,7 +175,7 @@ def _counts(
 
 
 def grads_for_norm(
-    parameters: _TensorOrList,
+    parameters: _Params,
     *,
     use_decoupled_grad: bool = False,
     tp_group: RankLike | None = None,
@@ -200,7 +202,7 @@ def grads_for_norm(
 
 
 def count_zeros_fp32(
-    parameters: _TensorOrList,
+    parameters: _Params,
     grad_stats_parallel_group: dist.ProcessGroup | None,
     use_decoupled_grad: bool = False,
     tp_group: RankLike | None = None,

@@ -17,3 +17,7 @@ class GradDtypeError(GradstatError, TypeError):
 
 class AttributeMismatchError(GradstatError, ValueError):
     """A parameter's attributes contradict its tensor (for example pad_length beyond the shard)."""
+
+
+class SnapshotError(GradstatError):
+    """A snapshot that cannot be read or trusted; the message names the file and the problem."""

@@ -1,0 +1,153 @@
+"""Statistics of a snapshot: each logical parameter once, aggregated over shards and fragments.
+
+A rank file's tensor counts when the core's filters keep it for its own rank (not shared, not a
+TP/ETP or GTP/EGTP duplicate) and it is not a data-parallel replica: with a plain optimizer only
+data-parallel rank 0 (context-parallel rank 0 too; expert-data-parallel rank 0 for expert
+params) counts, with the distributed optimizer every rank's fragments do. DTensor gradients
+count once per Replicate mesh dimension.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from . import kernels
+from .clip_grads import check_norm_type, count_zeros_fp32, grads_for_norm
+from .predicates import gtp_pad_zero_count
+from .snapshot import RankFile, RebuiltParam, Snapshot
+
+__all__ = ["ParamStats", "SnapshotStats", "counts", "snapshot_stats"]
+
+_CPU = torch.device("cpu")
+
+
+@dataclass
+class ParamStats:
+    """One logical parameter's statistics over every counted shard and fragment."""
+
+    name: str
+    expert: bool
+    numel: int = 0
+    zeros: int = 0
+    pad_zeros: int = 0
+    power_sums: dict[float, float] = field(default_factory=dict)
+    max_abs: float = 0.0
+    ranks: list[int] = field(default_factory=list)
+
+    def norm(self, norm_type: float) -> float:
+        if norm_type == math.inf:
+            return self.max_abs
+        return _root(self.power_sums[norm_type], norm_type)
+
+
+def _root(power_sum: float, norm_type: float) -> float:
+    return math.sqrt(power_sum) if norm_type == 2 else power_sum ** (1.0 / norm_type)
+
+
+@dataclass(frozen=True)
+class SnapshotStats:
+    """The whole snapshot's statistics and their per-parameter breakdown (module order)."""
+
+    params: tuple[ParamStats, ...]
+    norm_types: tuple[float, ...]
+
+    def norm(self, norm_type: float) -> float:
+        if norm_type == math.inf:
+            return max((param.max_abs for param in self.params), default=0.0)
+        total = sum(param.power_sums[norm_type] for param in self.params)
+        return _root(total, norm_type)
+
+    @property
+    def zeros(self) -> int:
+        return sum(param.zeros for param in self.params)
+
+    @property
+    def numel(self) -> int:
+        return sum(param.numel for param in self.params)
+
+    @property
+    def pad_zeros(self) -> int:
+        return sum(param.pad_zeros for param in self.params)
+
+
+def counts(rank_file: RankFile, param: RebuiltParam) -> bool:
+    """Whether ``param`` of ``rank_file`` holds values no other counted tensor holds."""
+    record = param.record
+    if not record.has_grad:
+        return False
+    if record.dtensor is not None and record.dtensor.is_replica():
+        return False
+    if record.attr("fsdp_param"):
+        return True
+    kept = grads_for_norm(
+        [param],
+        tp_group=rank_file.place("tp"),
+        expert_tp_group=rank_file.place("etp"),
+        gtp_group=rank_file.place("gtp"),
+        expert_gtp_group=rank_file.place("egtp"),
+    )
+    if not kept:
+        return False
+    if rank_file.header.distributed_optimizer:
+        return True
+    coords = rank_file.header.coords
+    if record.is_expert:
+        return coords["edp"][0] == 0
+    return coords["dp"][0] == 0 and coords["cp"][0] == 0
+
+
+def _add(stats: ParamStats, rank_file: RankFile, param: RebuiltParam) -> None:
+    grad = param.grad
+    assert grad is not None
+    for norm_type in stats.power_sums:
+        stats.power_sums[norm_type] += float(kernels.power_sum([grad], norm_type, _CPU))
+    stats.max_abs = max(stats.max_abs, float(kernels.abs_max([grad], _CPU)))
+    pad = gtp_pad_zero_count(param, grad)
+    stats.pad_zeros += pad
+    stats.numel += grad.numel() - pad
+    stats.zeros += int(
+        count_zeros_fp32(
+            [param],
+            None,
+            tp_group=rank_file.place("tp"),
+            expert_tp_group=rank_file.place("etp"),
+            gtp_group=rank_file.place("gtp"),
+            expert_gtp_group=rank_file.place("egtp"),
+        )
+    )
+    stats.ranks.append(rank_file.rank)
+
+
+def snapshot_stats(
+    snapshot: Snapshot, norm_types: Iterable[float] = (2.0,), ranks: Sequence[int] | None = None
+) -> SnapshotStats:
+    """Norms and zero counts of a snapshot, streaming one rank file at a time.
+
+    Args:
+        snapshot: an opened (validated) snapshot.
+        norm_types: the finite norm types to sum powers for (inf is always computed).
+        ranks: only these ranks' files (a process's share under a launcher); None: all.
+    """
+    finite = tuple(
+        sorted({check_norm_type(p) for p in norm_types} - {math.inf}, key=lambda p: (p != 2, p))
+    )
+    by_name: dict[str, ParamStats] = {}
+    wanted = None if ranks is None else set(ranks)
+    for rank_file in snapshot.files:
+        if wanted is not None and rank_file.rank not in wanted:
+            continue
+        with rank_file.params() as params:
+            for param in params:
+                if not counts(rank_file, param):
+                    continue
+                stats = by_name.get(param.name)
+                if stats is None:
+                    stats = by_name[param.name] = ParamStats(
+                        param.name, param.record.is_expert, power_sums=dict.fromkeys(finite, 0.0)
+                    )
+                _add(stats, rank_file, param)
+    return SnapshotStats(tuple(by_name.values()), (*finite, math.inf))

@@ -1,0 +1,6 @@
+"""Snapshots: every rank dumps its gradients with their attributes; a reader rebuilds them."""
+
+from .reader import RankFile, RebuiltParam, Snapshot
+from .writer import save_rank
+
+__all__ = ["RankFile", "RebuiltParam", "Snapshot", "save_rank"]

@@ -1,0 +1,213 @@
+"""The safetensors byte layout, read strictly and written as a stream.
+
+Reading checks everything before a byte of tensor data is used: the header length against the
+file size, UTF-8 JSON without duplicate keys, each entry's dtype, shape and byte range, and that
+the ranges tile the data section exactly (no overlap, no hole, no trailing bytes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import math
+import mmap
+import os
+import struct
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from ..errors import SnapshotError
+from .format import CODE_NAMES, DTYPE_NAMES, DTYPES, supported_dtypes
+
+# A header larger than this is not a gradient snapshot's: refuse before reading it.
+MAX_HEADER_BYTES = 256 << 20
+_ALIGN = 8
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where one tensor's bytes lie in the file."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Container:
+    """A parsed safetensors header: metadata, tensor slots and where the data section begins."""
+
+    path: Path
+    metadata: dict[str, str]
+    slots: dict[str, TensorSlot]
+    data_start: int
+
+
+def _no_duplicate_keys(path: Path) -> Any:
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [key for key, _ in pairs]
+        if len(set(keys)) != len(keys):
+            duplicate = next(key for key in keys if keys.count(key) > 1)
+            raise SnapshotError(f"{path}: header lists {duplicate!r} twice")
+        return dict(pairs)
+
+    return hook
+
+
+def read_container(path: Path) -> Container:
+    """Parse and validate the safetensors header of ``path`` (the data is not read).
+
+    Raises:
+        SnapshotError: naming the file and what is wrong with it.
+    """
+    try:
+        with open(path, "rb") as file:
+            size = os.fstat(file.fileno()).st_size
+            prefix = file.read(8)
+            if len(prefix) < 8:
+                raise SnapshotError(
+                    f"{path}: {size} bytes is too short for a safetensors file (needs 8 or more)"
+                )
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > min(size - 8, MAX_HEADER_BYTES):
+                raise SnapshotError(
+                    f"{path}: header length {header_len} exceeds the file's {size} bytes "
+                    f"(truncated, or not a safetensors file)"
+                )
+            raw = file.read(header_len)
+    except OSError as error:
+        raise SnapshotError(f"{path}: cannot read ({error.strerror or error})") from error
+    try:
+        text = raw.decode("utf-8")
+        header = json.loads(text, object_pairs_hook=_no_duplicate_keys(path))
+    except UnicodeDecodeError as error:
+        raise SnapshotError(f"{path}: header is not UTF-8 (not a safetensors file)") from error
+    except ValueError as error:
+        raise SnapshotError(f"{path}: header is not JSON (not a safetensors file)") from error
+    if not isinstance(header, dict):
+        raise SnapshotError(f"{path}: header is not a JSON object")
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(
+        isinstance(value, str) for value in metadata.values()
+    ):
+        raise SnapshotError(f"{path}: __metadata__ must map strings to strings")
+    data_start = 8 + header_len
+    slots = {name: _slot(path, name, entry) for name, entry in header.items()}
+    _check_tiling(path, slots, size - data_start)
+    return Container(path, metadata, slots, data_start)
+
+
+def _slot(path: Path, name: str, entry: Any) -> TensorSlot:
+    if not isinstance(entry, dict):
+        raise SnapshotError(f"{path}: tensor {name!r}: entry is not a JSON object")
+    code, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if code not in CODE_NAMES:
+        raise SnapshotError(
+            f"{path}: tensor {name!r}: dtype {code!r} is not supported; "
+            f"supported: {supported_dtypes()}"
+        )
+    if not isinstance(shape, list) or not all(type(dim) is int and dim >= 0 for dim in shape):
+        raise SnapshotError(f"{path}: tensor {name!r}: shape {shape!r} is not a list of sizes")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(type(value) is int for value in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise SnapshotError(f"{path}: tensor {name!r}: data_offsets {offsets!r} are not a range")
+    dtype = CODE_NAMES[code]
+    expected = math.prod(shape) * DTYPES[dtype][0].itemsize
+    if offsets[1] - offsets[0] != expected:
+        raise SnapshotError(
+            f"{path}: tensor {name!r}: {offsets[1] - offsets[0]} bytes for shape {shape} of "
+            f"{dtype}, which needs {expected}"
+        )
+    return TensorSlot(dtype, tuple(shape), offsets[0], offsets[1])
+
+
+def _check_tiling(path: Path, slots: dict[str, TensorSlot], data_len: int) -> None:
+    position = 0
+    for name, slot in sorted(slots.items(), key=lambda item: (item[1].start, item[1].end)):
+        if slot.start != position:
+            problem = "overlaps the previous tensor" if slot.start < position else "leaves a gap"
+            raise SnapshotError(f"{path}: tensor {name!r}: byte range {problem}")
+        position = slot.end
+    if position != data_len:
+        problem = "is truncated" if position > data_len else "has trailing bytes"
+        raise SnapshotError(
+            f"{path}: file {problem}: tensors need {position} data bytes, it has {data_len}"
+        )
+
+
+@contextmanager
+def mapped(container: Container) -> Iterator[dict[str, torch.Tensor]]:
+    """Memory-map the file and yield its tensors as read-only views (no copies).
+
+    The views are valid inside the ``with`` block only; nothing may write to them.
+    """
+    try:
+        with open(container.path, "rb") as file:
+            if os.fstat(file.fileno()).st_size == 0:
+                yield {}
+                return
+            view = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+    except OSError as error:
+        raise SnapshotError(f"{container.path}: cannot map ({error.strerror or error})") from error
+    tensors: dict[str, torch.Tensor] = {}
+    try:
+        with warnings.catch_warnings():
+            # The map is read-only and gradstat never writes through it.
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            for name, slot in container.slots.items():
+                count = math.prod(slot.shape)
+                dtype = DTYPES[slot.dtype][0]
+                if count == 0:
+                    tensors[name] = torch.empty(slot.shape, dtype=dtype)
+                    continue
+                flat = torch.frombuffer(
+                    view, dtype=dtype, count=count, offset=container.data_start + slot.start
+                )
+                tensors[name] = flat.view(slot.shape)
+        yield tensors
+    finally:
+        tensors.clear()
+        # A caller that kept a tensor alive keeps the map: it closes with the last view.
+        with contextlib.suppress(BufferError):
+            view.close()
+
+
+def write_container(
+    file: IO[bytes], metadata: dict[str, str], tensors: Sequence[tuple[str, torch.Tensor]]
+) -> None:
+    """Write a safetensors file from CPU-or-device tensors, one tensor in memory at a time.
+
+    Tensors are laid out widest dtype first, so every tensor's bytes are aligned to its dtype.
+    """
+    order = sorted(tensors, key=lambda item: -item[1].element_size())
+    entries: dict[str, Any] = {"__metadata__": metadata}
+    position = 0
+    for name, tensor in order:
+        nbytes = tensor.numel() * tensor.element_size()
+        entries[name] = {
+            "dtype": DTYPES[DTYPE_NAMES[tensor.dtype]][1],
+            "shape": list(tensor.shape),
+            "data_offsets": [position, position + nbytes],
+        }
+        position += nbytes
+    header = json.dumps(entries, separators=(",", ":")).encode("utf-8")
+    header += b" " * (-(8 + len(header)) % _ALIGN)
+    file.write(struct.pack("<Q", len(header)))
+    file.write(header)
+    for _, tensor in order:
+        local = tensor.detach().to("cpu").contiguous()
+        nbytes = local.numel() * local.element_size()
+        if nbytes:
+            file.write((ctypes.c_ubyte * nbytes).from_address(local.data_ptr()))

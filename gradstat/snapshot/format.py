@@ -1,0 +1,331 @@
+"""The snapshot format: one safetensors file per rank, self-described in its header.
+
+A rank file is a plain safetensors file: an 8-byte little-endian header length, a JSON header,
+then the tensors' bytes back to back. Each tensor is one parameter's local gradient under the
+parameter's name. ``__metadata__["gradstat"]`` holds a JSON document (format version 1):
+
+    {"format": "gradstat-snapshot", "version": 1,
+     "rank": 3, "world_size": 8, "step": 1200,            # step may be null
+     "coords": {"tp": [1, 2], "pp": [0, 2], ...},         # all of AXES, [rank_on_axis, size]
+     "distributed_optimizer": false, "grad_attr": "main_grad",
+     "params": [{"name": ..., "grad": true, "shape": [...], "dtype": "float32",
+                 "param_shape": [...], "attrs": {...}, "dtensor": null | {...}}, ...]}
+
+``attrs`` holds every attribute the statistics depend on (see ``ATTRIBUTE_DEFAULTS``);
+``gtp_group`` is the GTP group's ``[rank, size]``. ``dtensor`` records a DTensor gradient's
+mesh: ``{"mesh_shape": [...], "coordinate": [...], "placements": ["S(0)", "R"],
+"global_shape": [...]}``. A parameter whose gradient is None has ``"grad": false`` and no
+tensor in the file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import SnapshotError
+
+FORMAT_NAME = "gradstat-snapshot"
+FORMAT_VERSION = 1
+METADATA_KEY = "gradstat"
+AXES = ("tp", "pp", "dp", "cp", "ep", "etp", "edp", "gtp", "egtp")
+GRAD_ATTRS = ("grad", "main_grad", "decoupled_grad")
+FILE_PATTERN = "rank-{rank:05d}.safetensors"
+
+# safetensors dtype codes of the gradient dtypes a snapshot keeps as they are.
+DTYPES = {
+    "float32": (torch.float32, "F32"),
+    "bfloat16": (torch.bfloat16, "BF16"),
+    "float16": (torch.float16, "F16"),
+    "float64": (torch.float64, "F64"),
+}
+DTYPE_NAMES = {torch_dtype: name for name, (torch_dtype, _) in DTYPES.items()}
+CODE_NAMES = {code: name for name, (_, code) in DTYPES.items()}
+
+# Megatron attributes recorded per parameter, with the value an absent attribute means.
+ATTRIBUTE_DEFAULTS: dict[str, Any] = {
+    "tensor_model_parallel": False,
+    "partition_dim": -1,
+    "partition_stride": 1,
+    "shared": False,
+    "shared_embedding": False,
+    "allreduce": True,
+    "is_gtp_weight_remat": False,
+    "pad_length": 0,
+    "gtp_group": None,
+    "gtp_pad_zeros": None,
+    "fsdp_param": False,
+}
+
+
+ATTRIBUTE_KINDS: dict[str, type] = {
+    "tensor_model_parallel": bool,
+    "partition_dim": int,
+    "partition_stride": int,
+    "shared": bool,
+    "shared_embedding": bool,
+    "allreduce": bool,
+    "is_gtp_weight_remat": bool,
+    "pad_length": int,
+    "gtp_group": list,
+    "gtp_pad_zeros": int,
+    "fsdp_param": bool,
+}
+
+
+def supported_dtypes() -> str:
+    return ", ".join(DTYPES)
+
+
+@dataclass(frozen=True)
+class DTensorRecord:
+    """Where a DTensor gradient's local shard sits on its device mesh."""
+
+    mesh_shape: tuple[int, ...]
+    coordinate: tuple[int, ...]
+    placements: tuple[str, ...]
+    global_shape: tuple[int, ...]
+
+    def is_replica(self) -> bool:
+        """True when another rank holds the same values: a non-zero coordinate on a Replicate
+        mesh dimension."""
+        return any(
+            placement == "R" and index != 0
+            for placement, index in zip(self.placements, self.coordinate, strict=True)
+        )
+
+
+@dataclass(frozen=True)
+class ParamRecord:
+    """One parameter of a rank file: its name, gradient shape/dtype and attributes."""
+
+    name: str
+    has_grad: bool
+    shape: tuple[int, ...]
+    dtype: str | None
+    param_shape: tuple[int, ...]
+    attrs: dict[str, Any] = field(default_factory=dict)
+    dtensor: DTensorRecord | None = None
+
+    def attr(self, key: str) -> Any:
+        return self.attrs.get(key, ATTRIBUTE_DEFAULTS[key])
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def is_expert(self) -> bool:
+        return not self.attr("allreduce")
+
+
+@dataclass(frozen=True)
+class RankHeader:
+    """The gradstat metadata of one rank file."""
+
+    rank: int
+    world_size: int
+    step: int | None
+    coords: dict[str, tuple[int, int]]
+    distributed_optimizer: bool
+    grad_attr: str
+    params: tuple[ParamRecord, ...]
+    version: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "format": FORMAT_NAME,
+                "version": self.version,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "step": self.step,
+                "coords": {axis: list(place) for axis, place in self.coords.items()},
+                "distributed_optimizer": self.distributed_optimizer,
+                "grad_attr": self.grad_attr,
+                "params": [_param_to_json(record) for record in self.params],
+            },
+            separators=(",", ":"),
+        )
+
+
+def _param_to_json(record: ParamRecord) -> dict[str, Any]:
+    dtensor = None
+    if record.dtensor is not None:
+        dtensor = {
+            "mesh_shape": list(record.dtensor.mesh_shape),
+            "coordinate": list(record.dtensor.coordinate),
+            "placements": list(record.dtensor.placements),
+            "global_shape": list(record.dtensor.global_shape),
+        }
+    return {
+        "name": record.name,
+        "grad": record.has_grad,
+        "shape": list(record.shape),
+        "dtype": record.dtype,
+        "param_shape": list(record.param_shape),
+        "attrs": record.attrs,
+        "dtensor": dtensor,
+    }
+
+
+class _Fields:
+    """Typed access to one JSON object, with errors that name the file and the field."""
+
+    def __init__(self, path: Path, where: str, data: Any) -> None:
+        if not isinstance(data, dict):
+            raise SnapshotError(f"{path}: {where} is not a JSON object")
+        self.path, self.where, self.data = path, where, data
+
+    def fail(self, message: str) -> SnapshotError:
+        return SnapshotError(f"{self.path}: {self.where}: {message}")
+
+    def get(self, key: str, kind: type | tuple[type, ...], optional: bool = False) -> Any:
+        if key not in self.data:
+            if optional:
+                return None
+            raise self.fail(f"missing field {key!r}")
+        value = self.data[key]
+        if value is None and optional:
+            return None
+        # bool is an int in Python; a field typed int must not accept true/false.
+        if isinstance(value, bool) and bool not in _as_tuple(kind):
+            raise self.fail(f"field {key!r} must be {_kind_name(kind)}, got {value!r}")
+        if not isinstance(value, kind):
+            raise self.fail(f"field {key!r} must be {_kind_name(kind)}, got {value!r}")
+        return value
+
+    def ints(self, key: str, minimum: int = 0) -> tuple[int, ...]:
+        values = self.get(key, list)
+        if not all(type(value) is int and value >= minimum for value in values):
+            raise self.fail(f"field {key!r} must be a list of integers >= {minimum}")
+        return tuple(values)
+
+
+def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kind if isinstance(kind, tuple) else (kind,)
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    names = {
+        bool: "true/false",
+        int: "an integer",
+        str: "a string",
+        list: "a list",
+        dict: "an object",
+    }
+    return " or ".join(names.get(k, k.__name__) for k in _as_tuple(kind))
+
+
+def parse_header(path: Path, text: str) -> RankHeader:
+    """Parse and check the gradstat metadata of ``path``.
+
+    Raises:
+        SnapshotError: not a gradstat snapshot, another format version, or a malformed field.
+    """
+    try:
+        document = json.loads(text)
+    except ValueError as error:
+        raise SnapshotError(f"{path}: gradstat metadata is not valid JSON ({error})") from error
+    top = _Fields(path, "gradstat metadata", document)
+    if top.get("format", str) != FORMAT_NAME:
+        raise top.fail(f"format is {document['format']!r}, expected {FORMAT_NAME!r}")
+    version = top.get("version", int)
+    if version != FORMAT_VERSION:
+        raise top.fail(
+            f"format version {version} is not supported (this gradstat reads {FORMAT_VERSION})"
+        )
+    world_size = top.get("world_size", int)
+    rank = top.get("rank", int)
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise top.fail(f"rank {rank} is outside world size {world_size}")
+    step = top.get("step", int, optional=True)
+    coords = _parse_coords(_Fields(path, "coords", top.get("coords", dict)))
+    grad_attr = top.get("grad_attr", str)
+    if grad_attr not in GRAD_ATTRS:
+        raise top.fail(f"grad_attr {grad_attr!r} is not one of {', '.join(GRAD_ATTRS)}")
+    params = tuple(
+        _parse_param(path, index, entry) for index, entry in enumerate(top.get("params", list))
+    )
+    names = [record.name for record in params]
+    if len(set(names)) != len(names):
+        duplicate = next(name for name in names if names.count(name) > 1)
+        raise top.fail(f"parameter {duplicate!r} is listed twice")
+    return RankHeader(
+        rank=rank,
+        world_size=world_size,
+        step=step,
+        coords=coords,
+        distributed_optimizer=top.get("distributed_optimizer", bool),
+        grad_attr=grad_attr,
+        params=params,
+        version=version,
+    )
+
+
+def _parse_coords(fields: _Fields) -> dict[str, tuple[int, int]]:
+    unknown = sorted(set(fields.data) - set(AXES))
+    if unknown:
+        raise fields.fail(f"unknown axis {unknown[0]!r} (axes: {', '.join(AXES)})")
+    coords = {}
+    for axis in AXES:
+        place = fields.data.get(axis, [0, 1])
+        if (
+            not isinstance(place, list)
+            or len(place) != 2
+            or not all(type(value) is int for value in place)
+            or not 0 <= place[0] < place[1]
+        ):
+            raise fields.fail(f"axis {axis!r} is {place!r}; expected [rank_on_axis, size]")
+        coords[axis] = (place[0], place[1])
+    return coords
+
+
+def _parse_param(path: Path, index: int, entry: Any) -> ParamRecord:
+    fields = _Fields(path, f"params[{index}]", entry)
+    name = fields.get("name", str)
+    fields.where = f"parameter {name!r}"
+    has_grad = fields.get("grad", bool)
+    dtype = fields.get("dtype", str, optional=not has_grad)
+    if dtype is not None and dtype not in DTYPES:
+        raise fields.fail(f"dtype {dtype!r} is not supported; supported: {supported_dtypes()}")
+    attrs = _Fields(path, f"parameter {name!r} attrs", fields.get("attrs", dict))
+    unknown = sorted(set(attrs.data) - set(ATTRIBUTE_DEFAULTS))
+    if unknown:
+        raise attrs.fail(f"unknown attribute {unknown[0]!r}")
+    for key, kind in ATTRIBUTE_KINDS.items():
+        attrs.get(key, kind, optional=True)
+    gtp_group = attrs.data.get("gtp_group")
+    if gtp_group is not None and (
+        len(gtp_group) != 2
+        or not all(type(value) is int for value in gtp_group)
+        or not 0 <= gtp_group[0] < gtp_group[1]
+    ):
+        raise attrs.fail(f"gtp_group is {gtp_group!r}; expected [rank_in_group, size]")
+    dtensor_data = fields.get("dtensor", dict, optional=True)
+    dtensor = None
+    if dtensor_data is not None:
+        mesh = _Fields(path, f"parameter {name!r} dtensor", dtensor_data)
+        placements = tuple(mesh.get("placements", list))
+        dtensor = DTensorRecord(
+            mesh_shape=mesh.ints("mesh_shape", minimum=1),
+            coordinate=mesh.ints("coordinate"),
+            placements=placements,
+            global_shape=mesh.ints("global_shape"),
+        )
+        if not (len(dtensor.mesh_shape) == len(dtensor.coordinate) == len(placements)):
+            raise mesh.fail("mesh_shape, coordinate and placements differ in length")
+    return ParamRecord(
+        name=name,
+        has_grad=has_grad,
+        shape=fields.ints("shape"),
+        dtype=dtype,
+        param_shape=fields.ints("param_shape"),
+        attrs=dict(attrs.data),
+        dtensor=dtensor,
+    )

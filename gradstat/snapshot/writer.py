@@ -1,0 +1,217 @@
+"""save_rank: one rank of a training job dumps its gradients, with no collective."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import SnapshotError
+from ..groups import group_rank, group_size
+from .container import write_container
+from .format import (
+    AXES,
+    DTYPE_NAMES,
+    FILE_PATTERN,
+    GRAD_ATTRS,
+    METADATA_KEY,
+    DTensorRecord,
+    ParamRecord,
+    RankHeader,
+    supported_dtypes,
+)
+
+__all__ = ["save_rank"]
+
+_COPIED_ATTRS = (
+    "tensor_model_parallel",
+    "partition_dim",
+    "partition_stride",
+    "shared",
+    "shared_embedding",
+    "allreduce",
+    "is_gtp_weight_remat",
+    "pad_length",
+    "gtp_pad_zeros",
+)
+
+
+def _check_coords(coords: Mapping[str, Sequence[int]]) -> dict[str, tuple[int, int]]:
+    unknown = sorted(set(coords) - set(AXES))
+    if unknown:
+        raise ValueError(f"coords: unknown axis {unknown[0]!r}; axes are {', '.join(AXES)}")
+    checked = {}
+    for axis in AXES:
+        place = tuple(int(value) for value in coords.get(axis, (0, 1)))
+        if len(place) != 2 or not 0 <= place[0] < place[1]:
+            raise ValueError(f"coords[{axis!r}] is {place}; expected [rank_on_axis, axis_size]")
+        checked[axis] = (place[0], place[1])
+    return checked
+
+
+def _placement_code(placement: Any) -> str:
+    if placement.is_shard():
+        return f"S({placement.dim})"
+    if placement.is_replicate():
+        return "R"
+    return "P"
+
+
+def _local_and_dtensor(grad: torch.Tensor) -> tuple[torch.Tensor, DTensorRecord | None]:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return grad, None
+    if not isinstance(grad, DTensor):
+        return grad, None
+    mesh = grad.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise ValueError("a DTensor gradient lives on a mesh this rank is not part of")
+    record = DTensorRecord(
+        mesh_shape=tuple(mesh.shape),
+        coordinate=tuple(coordinate),
+        placements=tuple(_placement_code(placement) for placement in grad.placements),
+        global_shape=tuple(grad.shape),
+    )
+    return grad.to_local(), record
+
+
+def _record(name: str, param: Any, grad_attr: str) -> tuple[ParamRecord, torch.Tensor | None]:
+    attrs: dict[str, Any] = {}
+    for key in _COPIED_ATTRS:
+        value = getattr(param, key, None)
+        if value is not None:
+            attrs[key] = value if isinstance(value, bool) else int(value)
+    group = getattr(param, "group", None)
+    if getattr(param, "is_gtp_weight_remat", False) and group is not None:
+        attrs["gtp_group"] = [group_rank(group), group_size(group)]
+    if getattr(param, "__fsdp_param__", False):
+        attrs["fsdp_param"] = True
+    grad = getattr(param, grad_attr, None)
+    param_shape = tuple(getattr(param, "shape", ()))
+    if grad is None:
+        record = ParamRecord(name, False, param_shape, None, param_shape, attrs)
+        return record, None
+    local, dtensor = _local_and_dtensor(grad)
+    if local.dtype not in DTYPE_NAMES:
+        raise ValueError(
+            f"parameter {name!r}: gradient dtype {str(local.dtype).removeprefix('torch.')} is "
+            f"not supported; supported: {supported_dtypes()}"
+        )
+    record = ParamRecord(
+        name=name,
+        has_grad=True,
+        shape=tuple(local.shape),
+        dtype=DTYPE_NAMES[local.dtype],
+        param_shape=param_shape,
+        attrs=attrs,
+        dtensor=dtensor,
+    )
+    return record, local
+
+
+def save_rank(
+    directory: str | os.PathLike[str],
+    named_params: Iterable[tuple[str, Any]],
+    *,
+    rank: int,
+    world_size: int,
+    coords: Mapping[str, Sequence[int]],
+    grad_attr: str = "grad",
+    distributed_optimizer: bool = False,
+    step: int | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write this rank's gradients and their attributes as one safetensors file.
+
+    Needs no collective, so a failing job can still dump. The file appears atomically (written
+    to a temporary file, fsynced, then linked into place); an existing rank file is kept unless
+    ``overwrite`` is set.
+
+    Args:
+        directory: the snapshot directory (created if missing).
+        named_params: ``(name, param)`` pairs as the job holds them; names must be unique.
+        rank: this rank's global rank.
+        world_size: the number of ranks in the job.
+        coords: ``{axis: [rank_on_axis, axis_size]}`` for tp, pp, dp, cp, ep, etp, edp, gtp,
+            egtp; a missing axis is ``[0, 1]``.
+        grad_attr: where the gradient is: "grad", "main_grad" or "decoupled_grad".
+        distributed_optimizer: the params are the distributed optimizer's fragments.
+        step: the training step, recorded for the reader to check.
+        overwrite: replace an existing file of this rank.
+
+    Returns:
+        The rank file's path.
+
+    Raises:
+        ValueError: bad arguments, duplicate names, an unsupported gradient dtype.
+        SnapshotError: the rank file exists (and ``overwrite`` is not set) or cannot be written.
+    """
+    if grad_attr not in GRAD_ATTRS:
+        raise ValueError(f"grad_attr must be one of {', '.join(GRAD_ATTRS)}, got {grad_attr!r}")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world size {world_size}")
+    checked_coords = _check_coords(coords)
+    records, tensors = [], []
+    seen: set[str] = set()
+    for name, param in named_params:
+        if name in seen:
+            raise ValueError(f"parameter {name!r} appears twice in named_params")
+        seen.add(name)
+        record, local = _record(name, param, grad_attr)
+        records.append(record)
+        if local is not None:
+            tensors.append((name, local))
+    header = RankHeader(
+        rank=rank,
+        world_size=world_size,
+        step=step,
+        coords=checked_coords,
+        distributed_optimizer=distributed_optimizer,
+        grad_attr=grad_attr,
+        params=tuple(records),
+    )
+    folder = Path(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / FILE_PATTERN.format(rank=rank)
+    if target.exists() and not overwrite:
+        raise SnapshotError(f"{target}: rank file exists; pass overwrite=True to replace it")
+    _write_atomically(target, {METADATA_KEY: header.to_json()}, tensors, overwrite)
+    return target
+
+
+def _write_atomically(
+    target: Path,
+    metadata: dict[str, str],
+    tensors: Sequence[tuple[str, torch.Tensor]],
+    overwrite: bool,
+) -> None:
+    handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        with os.fdopen(handle, "wb") as file:
+            write_container(file, metadata, tensors)
+            file.flush()
+            os.fsync(file.fileno())
+        if overwrite:
+            os.replace(temporary, target)
+        else:
+            # link() fails if the target appeared meanwhile: never clobber another writer.
+            os.link(temporary, target)
+            os.unlink(temporary)
+        directory = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+    except FileExistsError as error:
+        raise SnapshotError(f"{target}: rank file exists; pass overwrite=True") from error
+    except OSError as error:
+        raise SnapshotError(f"{target}: cannot write ({error.strerror or error})") from error
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)

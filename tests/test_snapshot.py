@@ -1,0 +1,271 @@
+"""Snapshots: save_rank on every rank of a layout, read back, statistics of the unsharded model."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import gradstat
+from gradstat.analysis import snapshot_stats
+from gradstat.errors import SnapshotError
+from gradstat.snapshot import Snapshot, save_rank
+from tests._layouts import (
+    NORM_TYPES,
+    OUTPUT_COPY,
+    Layout,
+    RankView,
+    _coords,
+    fragments,
+    full_grads,
+    local_params,
+    model_specs,
+)
+from tests._oracle import float64_norm, rel_err, zeros_in
+from tests._params import param_with
+
+LAYOUTS = [
+    Layout("single"),
+    Layout("tp2", tp=2),
+    Layout("tp2_pp2_tied", tp=2, pp=2),
+    Layout("tp2_dp2_plain", tp=2, dp=2),
+    Layout("tp2_dp2_distopt", tp=2, dp=2, distopt=True),
+    Layout("pp2_dp2_distopt_tied", pp=2, dp=2, distopt=True),
+    Layout("tp2_dp2_ep2_etp2_moe", tp=2, dp=2, ep=2, etp=2, moe=True),
+    Layout("gtp4_spill", gtp=4, align=8),
+    Layout("gtp2_dp2_distopt", gtp=2, dp=2, distopt=True),
+    Layout("gtp2_dp2_ep2_egtp2_moe_spill", gtp=2, dp=2, ep=2, egtp=2, moe=True, align=8),
+    Layout("tp2_pp2_dp2_ep2_moe_distopt", tp=2, pp=2, dp=2, ep=2, moe=True, distopt=True),
+    Layout("tp2_gtp2_dp2_plain", tp=2, gtp=2, dp=2),
+    Layout("gtp4_dp2_distopt_spill", gtp=4, dp=2, align=8, distopt=True),
+    Layout("tp2_dp4_ep4_etp2_moe_distopt", tp=2, dp=4, ep=4, etp=2, moe=True, distopt=True),
+]
+
+
+def _offline_view(layout: Layout, rank: int) -> RankView:
+    """A rank's coordinates, with AxisPlace objects standing in for its groups."""
+    dense, expert = _coords(rank, layout.dense_axes()), _coords(rank, layout.expert_axes())
+    sizes, coords = dict(layout.dense_axes()) | dict(layout.expert_axes()), dense | expert
+    groups = {
+        axis: gradstat.AxisPlace(coords[axis], sizes[axis])
+        for axis in ("tp", "gtp", "etp", "egtp")
+        if sizes[axis] > 1
+    }
+    return RankView(dense, expert, groups)
+
+
+def dump_layout(layout: Layout, directory: Path, step: int = 7) -> None:
+    """What every rank of a job in ``layout`` writes with save_rank."""
+    sizes = dict(layout.dense_axes()) | dict(layout.expert_axes())
+    for rank in range(layout.world_size):
+        view = _offline_view(layout, rank)
+        params = local_params(layout, view)
+        if layout.distopt:
+            dense = [param for param in params if getattr(param, "allreduce", True)]
+            experts = [param for param in params if not getattr(param, "allreduce", True)]
+            params = fragments(dense, view.dense["dp"], layout.dp, True) + fragments(
+                experts, view.expert["edp"], layout.edp, True
+            )
+        coords = {axis: [(view.dense | view.expert)[axis], size] for axis, size in sizes.items()}
+        save_rank(
+            directory,
+            [(param._gradstat_name, param) for param in params],
+            rank=rank,
+            world_size=layout.world_size,
+            coords=coords,
+            distributed_optimizer=layout.distopt,
+            step=step,
+        )
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.name)
+def test_snapshot_statistics_equal_the_unsharded_model(layout: Layout, tmp_path: Path) -> None:
+    dump_layout(layout, tmp_path)
+    snapshot = Snapshot.open(tmp_path)
+    assert snapshot.world_size == layout.world_size
+    stats = snapshot_stats(snapshot, NORM_TYPES)
+    grads = full_grads(layout.moe)
+    names = [spec.name for spec in model_specs(layout.moe)]
+    everything = [grads[name] for name in names]
+    for norm_type in NORM_TYPES:
+        expected = float64_norm(everything, norm_type)
+        got = stats.norm(norm_type)
+        assert got == expected if norm_type == math.inf else rel_err(got, expected) <= 1e-6
+    assert stats.zeros == zeros_in(everything)
+    assert stats.numel == sum(grad.numel() for grad in everything)
+    # Per parameter: each logical parameter once, under its own name, shards aggregated.
+    by_name = {param.name: param for param in stats.params}
+    assert sorted(by_name) == sorted(names)
+    assert OUTPUT_COPY not in by_name
+    for name in names:
+        assert by_name[name].zeros == zeros_in([grads[name]]), name
+        expected = float64_norm([grads[name]], 2)
+        assert math.isclose(by_name[name].norm(2), expected, rel_tol=1e-6), name
+
+
+def test_gtp_padding_is_recorded_and_excluded(tmp_path: Path) -> None:
+    layout = Layout("gtp4_spill", gtp=4, align=8)
+    dump_layout(layout, tmp_path)
+    stats = snapshot_stats(Snapshot.open(tmp_path))
+    assert stats.pad_zeros > 0
+    on_disk = sum(
+        tensor.numel()
+        for path in tmp_path.glob("*.safetensors")
+        for tensor in _read_with_safetensors(path)[0].values()
+    )
+    assert on_disk > stats.numel  # padding is in the files, not in the statistics
+
+
+def _read_with_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    with safe_open(str(path), framework="pt") as file:
+        return {key: file.get_tensor(key) for key in file.keys()}, file.metadata()  # noqa: SIM118
+
+
+def test_a_rank_file_is_plain_safetensors(tmp_path: Path) -> None:
+    grads = {
+        "a.weight": torch.randn(5, 3),
+        "b.weight": torch.randn(7).bfloat16(),
+        "c.bias": torch.randn(3).half(),
+        "e.empty": torch.zeros(0, 4),
+    }
+    params = [(name, param_with(grad, tensor_model_parallel=True)) for name, grad in grads.items()]
+    params.append(("d.frozen", param_with(None)))
+    path = save_rank(
+        tmp_path, params, rank=1, world_size=2, coords={"tp": [1, 2]}, step=3, grad_attr="grad"
+    )
+    assert path == tmp_path / "rank-00001.safetensors"
+    tensors, metadata = _read_with_safetensors(path)
+    assert sorted(tensors) == sorted(grads)
+    for name, grad in grads.items():
+        assert tensors[name].dtype == grad.dtype
+        assert torch.equal(tensors[name], grad)
+    header = json.loads(metadata["gradstat"])
+    assert header["rank"] == 1 and header["world_size"] == 2 and header["step"] == 3
+    assert header["coords"]["tp"] == [1, 2] and header["coords"]["egtp"] == [0, 1]
+    frozen = next(entry for entry in header["params"] if entry["name"] == "d.frozen")
+    assert frozen["grad"] is False
+
+
+def test_main_grad_and_decoupled_grad_are_read(tmp_path: Path) -> None:
+    param = param_with(None)
+    param.main_grad = torch.full((4,), 2.0)
+    save_rank(tmp_path, [("w", param)], rank=0, world_size=1, coords={}, grad_attr="main_grad")
+    stats = snapshot_stats(Snapshot.open(tmp_path))
+    assert stats.norm(2) == pytest.approx(4.0, rel=1e-12)
+
+
+def test_existing_rank_file_is_never_overwritten(tmp_path: Path) -> None:
+    first = param_with(torch.ones(3))
+    path = save_rank(tmp_path, [("w", first)], rank=0, world_size=1, coords={})
+    before = path.read_bytes()
+    with pytest.raises(SnapshotError, match="rank file exists; pass overwrite=True"):
+        save_rank(tmp_path, [("w", param_with(torch.zeros(3)))], rank=0, world_size=1, coords={})
+    assert path.read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["rank-00000.safetensors"]  # no temporary left
+    save_rank(
+        tmp_path,
+        [("w", param_with(torch.zeros(3)))],
+        rank=0,
+        world_size=1,
+        coords={},
+        overwrite=True,
+    )
+    assert path.read_bytes() != before
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"rank": 2, "world_size": 2, "coords": {}}, "rank 2 is outside world size 2"),
+        ({"rank": 0, "world_size": 1, "coords": {"tp": [2, 2]}}, r"coords\['tp'\]"),
+        ({"rank": 0, "world_size": 1, "coords": {"xp": [0, 1]}}, "unknown axis 'xp'"),
+        ({"rank": 0, "world_size": 1, "coords": {}, "grad_attr": "g"}, "grad_attr must be"),
+    ],
+)
+def test_bad_save_arguments(kwargs: dict[str, Any], message: str, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=message):
+        save_rank(tmp_path, [("w", param_with(torch.ones(2)))], **kwargs)
+
+
+def test_duplicate_names_and_unsupported_dtypes_are_refused(tmp_path: Path) -> None:
+    twice = [("w", param_with(torch.ones(2))), ("w", param_with(torch.ones(2)))]
+    with pytest.raises(ValueError, match="'w' appears twice"):
+        save_rank(tmp_path, twice, rank=0, world_size=1, coords={})
+    integer = [("i", param_with(torch.ones(2, dtype=torch.int32)))]
+    with pytest.raises(ValueError, match="int32 is not supported; supported: float32"):
+        save_rank(tmp_path, integer, rank=0, world_size=1, coords={})
+    assert list(tmp_path.iterdir()) == []
+
+
+def _two_ranks(directory: Path, **overrides: Any) -> None:
+    for rank in range(2):
+        options: dict[str, Any] = {"rank": rank, "world_size": 2, "coords": {"tp": [rank, 2]}}
+        if rank == 1:
+            options.update(overrides)
+        save_rank(
+            directory, [("w", param_with(torch.ones(4), tensor_model_parallel=True))], **options
+        )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"step": 8}, "step 8 differs from None"),
+        ({"world_size": 3, "rank": 2, "coords": {"tp": [1, 3]}}, "world size 3 differs from 2"),
+        ({"coords": {"tp": [0, 2]}}, "same coordinates as rank 0"),
+        ({"distributed_optimizer": True}, "distributed_optimizer True differs"),
+    ],
+)
+def test_inconsistent_rank_files_are_rejected(
+    overrides: dict[str, Any], message: str, tmp_path: Path
+) -> None:
+    _two_ranks(tmp_path, **overrides)
+    with pytest.raises(SnapshotError, match=message):
+        Snapshot.open(tmp_path)
+
+
+def test_missing_and_duplicate_ranks(tmp_path: Path) -> None:
+    _two_ranks(tmp_path)
+    (tmp_path / "rank-00001.safetensors").rename(tmp_path / "spare.safetensors.bak")
+    with pytest.raises(SnapshotError, match=r"1 of 2 rank files missing \(rank 1\)"):
+        Snapshot.open(tmp_path)
+    (tmp_path / "spare.safetensors.bak").rename(tmp_path / "rank-00001.safetensors")
+    copy = tmp_path / "copy.safetensors"
+    copy.write_bytes((tmp_path / "rank-00000.safetensors").read_bytes())
+    with pytest.raises(SnapshotError, match="rank 0 is also in"):
+        Snapshot.open(tmp_path)
+
+
+def test_truncated_file_is_named(tmp_path: Path) -> None:
+    _two_ranks(tmp_path)
+    path = tmp_path / "rank-00001.safetensors"
+    path.write_bytes(path.read_bytes()[:-3])
+    with pytest.raises(SnapshotError, match=r"rank-00001\.safetensors: file is truncated"):
+        Snapshot.open(tmp_path)
+
+
+def test_pad_length_beyond_the_shard_is_rejected(tmp_path: Path) -> None:
+    shard = param_with(
+        torch.zeros(4, 3),
+        is_gtp_weight_remat=True,
+        pad_length=9,
+        group=gradstat.AxisPlace(1, 2),
+    )
+    save_rank(tmp_path, [("w", shard)], rank=0, world_size=1, coords={"gtp": [1, 2]})
+    with pytest.raises(SnapshotError, match="pad_length 9 is larger than the padded tensor"):
+        Snapshot.open(tmp_path)
+
+
+def test_gtp_group_must_match_the_coordinates(tmp_path: Path) -> None:
+    shard = param_with(
+        torch.zeros(4, 3), is_gtp_weight_remat=True, pad_length=2, group=gradstat.AxisPlace(1, 2)
+    )
+    save_rank(tmp_path, [("w", shard)], rank=0, world_size=1, coords={"gtp": [0, 4]})
+    with pytest.raises(SnapshotError, match=r"GTP group \[1, 2\] does not match .* \[0, 4\]"):
+        Snapshot.open(tmp_path)
