@@ -1,0 +1,197 @@
+"""dump_rank: one call from a live training job, which works out the rank's place itself."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .format import AXES
+from .writer import save_rank
+
+__all__ = ["coords_from_megatron", "coords_from_mesh", "dump_rank", "named_gradients"]
+
+# DeviceMesh dimension names that together make up the data-parallel axis (FSDP2 / HSDP).
+_DP_MESH_NAMES = ("dp_replicate", "dp", "dp_shard", "dp_shard_cp")
+
+# (axis, parallel_state rank getter, size getter); the data-parallel ones without CP.
+_MEGATRON_GETTERS = (
+    ("tp", "get_tensor_model_parallel_rank", "get_tensor_model_parallel_world_size"),
+    ("pp", "get_pipeline_model_parallel_rank", "get_pipeline_model_parallel_world_size"),
+    ("dp", "get_data_parallel_rank", "get_data_parallel_world_size"),
+    ("cp", "get_context_parallel_rank", "get_context_parallel_world_size"),
+    ("ep", "get_expert_model_parallel_rank", "get_expert_model_parallel_world_size"),
+    ("etp", "get_expert_tensor_parallel_rank", "get_expert_tensor_parallel_world_size"),
+    ("edp", "get_expert_data_parallel_rank", "get_expert_data_parallel_world_size"),
+)
+
+
+def coords_from_megatron() -> dict[str, list[int]] | None:
+    """This rank's coordinates from ``megatron.core.parallel_state``, or None without Megatron.
+
+    GTP/EGTP coordinates are not read from Megatron: pass them in ``coords`` when GTP is on.
+    """
+    try:
+        state: Any = importlib.import_module("megatron.core.parallel_state")
+    except ImportError:
+        return None
+    if not state.model_parallel_is_initialized():
+        return None
+    coords = {}
+    for axis, rank_getter, size_getter in _MEGATRON_GETTERS:
+        rank_fn, size_fn = getattr(state, rank_getter, None), getattr(state, size_getter, None)
+        if rank_fn is None or size_fn is None:
+            continue
+        kwargs = {"with_context_parallel": False} if axis == "dp" else {}
+        coords[axis] = [int(rank_fn(**kwargs)), int(size_fn(**kwargs))]
+    return coords
+
+
+def coords_from_mesh(mesh: Any) -> dict[str, list[int]]:
+    """This rank's coordinates on a DeviceMesh whose dimension names are gradstat's axes.
+
+    FSDP2/HSDP dimensions (dp_replicate, dp_shard, dp_shard_cp, dp) combine into one dp axis.
+
+    Raises:
+        ValueError: an unnamed mesh, a dimension name gradstat does not know, or a rank that is
+            not on the mesh.
+    """
+    names = mesh.mesh_dim_names
+    coordinate = mesh.get_coordinate()
+    if names is None or coordinate is None:
+        raise ValueError("the DeviceMesh needs mesh_dim_names and must contain this rank")
+    coords: dict[str, list[int]] = {}
+    dp_rank, dp_size = 0, 1
+    for name, index, size in zip(names, coordinate, mesh.shape, strict=True):
+        if name in _DP_MESH_NAMES:
+            dp_rank, dp_size = dp_rank * size + index, dp_size * size
+        elif name in AXES:
+            coords[name] = [int(index), int(size)]
+        else:
+            raise ValueError(
+                f"mesh dimension {name!r} is not a gradstat axis ({', '.join(AXES)}, or "
+                f"{', '.join(_DP_MESH_NAMES)}); pass coords explicitly"
+            )
+    coords["dp"] = [dp_rank, dp_size]
+    return coords
+
+
+_LAYER = re.compile(r"(^|\.)layers\.(\d+)$")
+_LOCAL_EXPERT = re.compile(r"(^|\.)local_experts\.(\d+)$")
+
+
+def _global_prefixes(module: torch.nn.Module) -> dict[str, str]:
+    """Module paths renamed to global indices, so that names agree across pipeline stages.
+
+    Megatron numbers a stage's layers from 0; each layer knows its global ``layer_number``
+    (1-based). Expert modules list their global ``local_expert_indices``.
+    """
+    renames = {}
+    for path, sub in module.named_modules():
+        layer_number = getattr(sub, "layer_number", None)
+        if isinstance(layer_number, int) and _LAYER.search(path):
+            renames[path] = _LAYER.sub(rf"\g<1>layers.{layer_number - 1}", path)
+        indices = getattr(sub, "local_expert_indices", None)
+        if isinstance(indices, Sequence):
+            for child_path, _ in sub.named_modules(prefix=path):
+                match = _LOCAL_EXPERT.search(child_path)
+                if match and int(match.group(2)) < len(indices):
+                    global_index = indices[int(match.group(2))]
+                    renames[child_path] = _LOCAL_EXPERT.sub(
+                        rf"\g<1>local_experts.{global_index}", child_path
+                    )
+    return renames
+
+
+def _rename(name: str, renames: Mapping[str, str]) -> str:
+    # Only paths that prefix the original name, innermost first: an expert's rename keeps its
+    # layer's (local) prefix, which the layer's rename then replaces.
+    matches = [path for path in renames if name.startswith(path + ".")]
+    for path in sorted(matches, key=len, reverse=True):
+        name = renames[path] + name[len(path) :]
+    return name
+
+
+def named_gradients(
+    model: torch.nn.Module | Sequence[torch.nn.Module] | Iterable[tuple[str, Any]],
+) -> list[tuple[str, Any]]:
+    """``(name, param)`` pairs with names that mean the same logical tensor on every rank.
+
+    A module (or a list of Megatron model chunks) is walked with ``named_parameters``; layer and
+    expert indices are made global (see ``_global_prefixes``). Anything else is taken as
+    ``(name, param)`` pairs as they are.
+    """
+    items: list[Any] = [model] if isinstance(model, torch.nn.Module) else list(model)
+    if not items or not all(isinstance(item, torch.nn.Module) for item in items):
+        return items
+    modules: list[torch.nn.Module] = items
+    pairs = []
+    for module in modules:
+        renames = _global_prefixes(module)
+        pairs += [(_rename(name, renames), param) for name, param in module.named_parameters()]
+    return pairs
+
+
+def dump_rank(
+    directory: str | os.PathLike[str],
+    model: torch.nn.Module | Sequence[torch.nn.Module] | Iterable[tuple[str, Any]],
+    *,
+    step: int | None = None,
+    grad_attr: str | None = None,
+    distributed_optimizer: bool = False,
+    coords: Mapping[str, Sequence[int]] | None = None,
+    mesh: Any = None,
+    overwrite: bool = False,
+) -> Path:
+    """Dump this rank of a live job: coordinates and names worked out, then :func:`save_rank`.
+
+    Coordinates come from, in order: ``coords``; ``mesh`` (a DeviceMesh); Megatron's
+    ``parallel_state`` when it is importable and initialized; else plain data parallelism over
+    the torch.distributed world. Explicit ``coords`` entries override discovered ones.
+
+    Args:
+        directory: the snapshot directory, the same on every rank.
+        model: a module, a list of model chunks, or ``(name, param)`` pairs.
+        step: the training step.
+        grad_attr: "grad", "main_grad" or "decoupled_grad"; None: "main_grad" when any
+            parameter has one (Megatron's DDP), else "grad".
+        distributed_optimizer: the gradients are disjoint shards across data-parallel ranks
+            (Megatron's distributed optimizer fragments, FSDP).
+        coords: ``{axis: [rank_on_axis, axis_size]}``, overriding what is discovered.
+        mesh: a DeviceMesh whose dimension names are gradstat axes.
+        overwrite: replace an existing rank file.
+
+    Returns:
+        The rank file's path.
+    """
+    ready = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if ready else 0
+    world_size = dist.get_world_size() if ready else 1
+    if mesh is not None:
+        found: dict[str, list[int]] | None = coords_from_mesh(mesh)
+    else:
+        found = coords_from_megatron()
+    if found is None:
+        found = {"dp": [rank, world_size]}
+    merged = {**found, **{axis: list(place) for axis, place in (coords or {}).items()}}
+    pairs = named_gradients(model)
+    if grad_attr is None:
+        has_main = any(getattr(param, "main_grad", None) is not None for _, param in pairs)
+        grad_attr = "main_grad" if has_main else "grad"
+    return save_rank(
+        directory,
+        pairs,
+        rank=rank,
+        world_size=world_size,
+        coords=merged,
+        grad_attr=grad_attr,
+        distributed_optimizer=distributed_optimizer,
+        step=step,
+        overwrite=overwrite,
+    )

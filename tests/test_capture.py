@@ -1,0 +1,173 @@
+"""dump_rank in a live job: coordinates from Megatron, a DeviceMesh or the world; global names."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from gradstat.analysis import snapshot_stats
+from gradstat.snapshot import Snapshot, dump_rank
+from gradstat.snapshot.capture import coords_from_megatron, named_gradients
+from tests._layouts import Case, launch
+from tests._oracle import float64_norm, zeros_in
+
+
+def _header(path: Path) -> dict[str, Any]:
+    with safe_open(str(path), framework="pt") as file:
+        return dict(json.loads(file.metadata()["gradstat"]))
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    model(torch.randn(5, 4)).square().sum().backward()
+    return model
+
+
+def test_single_process_module_defaults(tmp_path: Path) -> None:
+    model = _model()
+    path = dump_rank(tmp_path, model, step=5)
+    header = _header(path)
+    assert header["rank"] == 0 and header["world_size"] == 1 and header["step"] == 5
+    assert header["grad_attr"] == "grad"
+    assert header["coords"]["dp"] == [0, 1]
+    assert [entry["name"] for entry in header["params"]] == [
+        "0.weight",
+        "0.bias",
+        "1.weight",
+        "1.bias",
+    ]
+    stats = snapshot_stats(Snapshot.open(tmp_path))
+    grads = [param.grad for param in model.parameters()]
+    assert math.isclose(stats.norm(2), float64_norm(grads, 2), rel_tol=1e-9)
+
+
+def test_main_grad_is_preferred_when_present(tmp_path: Path) -> None:
+    model = _model()
+    for param in model.parameters():
+        param.main_grad = torch.full_like(param, 0.5)
+    header = _header(dump_rank(tmp_path, model))
+    assert header["grad_attr"] == "main_grad"
+
+
+def _fake_parallel_state() -> types.ModuleType:
+    state = types.ModuleType("megatron.core.parallel_state")
+    values = {
+        "tensor_model_parallel": (1, 2),
+        "pipeline_model_parallel": (1, 4),
+        "data_parallel": (3, 4),
+        "context_parallel": (0, 1),
+        "expert_model_parallel": (1, 2),
+        "expert_tensor_parallel": (0, 1),
+        "expert_data_parallel": (1, 4),
+    }
+    for stem, (rank, size) in values.items():
+        setattr(state, f"get_{stem}_rank", lambda rank=rank, **_: rank)
+        setattr(state, f"get_{stem}_world_size", lambda size=size, **_: size)
+    state.model_parallel_is_initialized = lambda: True  # type: ignore[attr-defined]
+    return state
+
+
+def test_coordinates_from_megatron_parallel_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = _fake_parallel_state()
+    for name in ("megatron", "megatron.core"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "megatron.core.parallel_state", state)
+    coords = coords_from_megatron()
+    assert coords == {
+        "tp": [1, 2],
+        "pp": [1, 4],
+        "dp": [3, 4],
+        "cp": [0, 1],
+        "ep": [1, 2],
+        "etp": [0, 1],
+        "edp": [1, 4],
+    }
+    header = _header(dump_rank(tmp_path, _model(), coords={"gtp": [1, 2]}))
+    assert header["coords"]["tp"] == [1, 2] and header["coords"]["gtp"] == [1, 2]
+
+
+def test_no_megatron_means_no_megatron_coordinates() -> None:
+    assert "megatron" not in sys.modules
+    assert coords_from_megatron() is None
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, layer_number: int, experts: list[int]) -> None:
+        super().__init__()
+        self.layer_number = layer_number
+        self.norm = torch.nn.LayerNorm(2)
+        self.mlp = torch.nn.Module()
+        self.mlp.experts = torch.nn.Module()
+        self.mlp.experts.local_expert_indices = experts
+        self.mlp.experts.local_experts = torch.nn.ModuleList(
+            [torch.nn.Linear(2, 2, bias=False) for _ in experts]
+        )
+
+
+def test_layer_and_expert_indices_become_global() -> None:
+    """A second pipeline stage holding global layers 2-3, and experts 2-3 of an EP group."""
+    stage = torch.nn.Module()
+    stage.decoder = torch.nn.Module()
+    stage.decoder.layers = torch.nn.ModuleList([_Layer(3, [2, 3]), _Layer(4, [2, 3])])
+    names = [name for name, _ in named_gradients(stage)]
+    assert names == [
+        "decoder.layers.2.norm.weight",
+        "decoder.layers.2.norm.bias",
+        "decoder.layers.2.mlp.experts.local_experts.2.weight",
+        "decoder.layers.2.mlp.experts.local_experts.3.weight",
+        "decoder.layers.3.norm.weight",
+        "decoder.layers.3.norm.bias",
+        "decoder.layers.3.mlp.experts.local_experts.2.weight",
+        "decoder.layers.3.mlp.experts.local_experts.3.weight",
+    ]
+
+
+def _full_tensors() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randn(7, 5, generator=gen)
+    weight[2] = 0.0
+    return {"w": weight, "b": torch.randn(5, generator=gen)}
+
+
+def _dump_fsdp_rank(rank: int, world_size: int, directory: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
+    full = _full_tensors()
+    grads = {
+        "w": distribute_tensor(full["w"], mesh, [Shard(0)]),
+        "b": distribute_tensor(full["b"], mesh, [Replicate()]),
+    }
+    pairs = [
+        (name, types.SimpleNamespace(grad=grad, shape=grad.shape)) for name, grad in grads.items()
+    ]
+    dump_rank(directory, pairs, mesh=mesh, distributed_optimizer=True, step=1)
+
+
+def test_fsdp2_dtensor_gradients_count_once(tmp_path: Path) -> None:
+    """Shard(0) pieces (one of them short) count each; the Replicate bias counts once."""
+    snapshot_dir = tmp_path / "snapshot"
+    report = launch(3, tmp_path, [Case("dump", _dump_fsdp_rank, str(snapshot_dir))])
+    report.values("dump")
+    snapshot = Snapshot.open(snapshot_dir)
+    header = snapshot.files[2].header
+    assert header.coords["dp"] == (2, 3)
+    placements = {record.name: record.dtensor.placements for record in header.params}
+    assert placements == {"w": ("S(0)",), "b": ("R",)}
+    stats = snapshot_stats(snapshot, (2.0, 1.0))
+    full = list(_full_tensors().values())
+    assert math.isclose(stats.norm(2), float64_norm(full, 2), rel_tol=1e-9)
+    assert math.isclose(stats.norm(1), float64_norm(full, 1), rel_tol=1e-9)
+    assert stats.zeros == zeros_in(full)
