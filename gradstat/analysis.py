@@ -35,11 +35,13 @@ class ParamStats:
     zeros: int = 0
     pad_zeros: int = 0
     power_sums: dict[float, float] = field(default_factory=dict)
-    max_abs: float = 0.0
+    max_abs: float | None = None  # None when the inf norm was not asked for
     ranks: list[int] = field(default_factory=list)
 
     def norm(self, norm_type: float) -> float:
         if norm_type == math.inf:
+            if self.max_abs is None:
+                raise KeyError("the inf norm was not computed; ask for it in norm_types")
             return self.max_abs
         return _root(self.power_sums[norm_type], norm_type)
 
@@ -57,7 +59,7 @@ class SnapshotStats:
 
     def norm(self, norm_type: float) -> float:
         if norm_type == math.inf:
-            return max((param.max_abs for param in self.params), default=0.0)
+            return max((param.norm(math.inf) for param in self.params), default=0.0)
         total = sum(param.power_sums[norm_type] for param in self.params)
         return _root(total, norm_type)
 
@@ -105,7 +107,8 @@ def _add(stats: ParamStats, rank_file: RankFile, param: RebuiltParam) -> None:
     assert grad is not None
     for norm_type in stats.power_sums:
         stats.power_sums[norm_type] += float(kernels.power_sum([grad], norm_type, _CPU))
-    stats.max_abs = max(stats.max_abs, float(kernels.abs_max([grad], _CPU)))
+    if stats.max_abs is not None:
+        stats.max_abs = max(stats.max_abs, float(kernels.abs_max([grad], _CPU)))
     pad = gtp_pad_zero_count(param, grad)
     stats.pad_zeros += pad
     stats.numel += grad.numel() - pad
@@ -127,14 +130,16 @@ def snapshot_stats(
 ) -> SnapshotStats:
     """Norms and zero counts of a snapshot, streaming one rank file at a time.
 
+    Each norm type costs one pass over the data, the zero count another.
+
     Args:
         snapshot: an opened (validated) snapshot.
-        norm_types: the finite norm types to sum powers for (inf is always computed).
+        norm_types: the norm types to compute (2, 1, inf or any finite p > 0).
         ranks: only these ranks' files (a process's share under a launcher); None: all.
     """
-    finite = tuple(
-        sorted({check_norm_type(p) for p in norm_types} - {math.inf}, key=lambda p: (p != 2, p))
-    )
+    asked = {check_norm_type(p) for p in norm_types}
+    finite = tuple(sorted(asked - {math.inf}, key=lambda p: (p != 2, p)))
+    with_inf = math.inf in asked
     by_name: dict[str, ParamStats] = {}
     wanted = None if ranks is None else set(ranks)
     for rank_file in snapshot.files:
@@ -147,7 +152,10 @@ def snapshot_stats(
                 stats = by_name.get(param.name)
                 if stats is None:
                     stats = by_name[param.name] = ParamStats(
-                        param.name, param.record.is_expert, power_sums=dict.fromkeys(finite, 0.0)
+                        param.name,
+                        param.record.is_expert,
+                        power_sums=dict.fromkeys(finite, 0.0),
+                        max_abs=0.0 if with_inf else None,
                     )
                 _add(stats, rank_file, param)
-    return SnapshotStats(tuple(by_name.values()), (*finite, math.inf))
+    return SnapshotStats(tuple(by_name.values()), (*finite, math.inf) if with_inf else finite)

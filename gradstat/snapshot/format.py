@@ -63,6 +63,10 @@ ATTRIBUTE_DEFAULTS: dict[str, Any] = {
 }
 
 
+# Attributes recorded as the parameter carries them (the rest are derived: gtp_group from the
+# GTP group's rank()/size(), fsdp_param from ``__fsdp_param__``).
+PLAIN_ATTRS = tuple(key for key in ATTRIBUTE_DEFAULTS if key not in ("gtp_group", "fsdp_param"))
+
 ATTRIBUTE_KINDS: dict[str, type] = {
     "tensor_model_parallel": bool,
     "partition_dim": int,

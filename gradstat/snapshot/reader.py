@@ -15,7 +15,7 @@ import torch
 from ..errors import SnapshotError
 from ..groups import AxisPlace
 from .container import Container, mapped, read_container
-from .format import AXES, METADATA_KEY, ParamRecord, RankHeader, parse_header
+from .format import AXES, METADATA_KEY, PLAIN_ATTRS, ParamRecord, RankHeader, parse_header
 
 __all__ = ["RankFile", "RebuiltParam", "Snapshot"]
 
@@ -35,19 +35,10 @@ class RebuiltParam:
         self._gradstat_name = record.name
         self.grad = grad
         self.shape = torch.Size(record.param_shape)
-        for key in (
-            "tensor_model_parallel",
-            "partition_dim",
-            "partition_stride",
-            "shared",
-            "shared_embedding",
-            "allreduce",
-            "is_gtp_weight_remat",
-            "pad_length",
-        ):
-            setattr(self, key, record.attr(key))
-        if record.attr("gtp_pad_zeros") is not None:
-            self.gtp_pad_zeros = record.attr("gtp_pad_zeros")
+        for key in PLAIN_ATTRS:
+            value = record.attr(key)
+            if value is not None:
+                setattr(self, key, value)
         gtp_group = record.attr("gtp_group")
         self.group = AxisPlace(*gtp_group) if gtp_group is not None else None
         if record.attr("fsdp_param"):

@@ -19,6 +19,7 @@ from .format import (
     FILE_PATTERN,
     GRAD_ATTRS,
     METADATA_KEY,
+    PLAIN_ATTRS,
     DTensorRecord,
     ParamRecord,
     RankHeader,
@@ -26,18 +27,6 @@ from .format import (
 )
 
 __all__ = ["save_rank"]
-
-_COPIED_ATTRS = (
-    "tensor_model_parallel",
-    "partition_dim",
-    "partition_stride",
-    "shared",
-    "shared_embedding",
-    "allreduce",
-    "is_gtp_weight_remat",
-    "pad_length",
-    "gtp_pad_zeros",
-)
 
 
 def _check_coords(coords: Mapping[str, Sequence[int]]) -> dict[str, tuple[int, int]]:
@@ -83,7 +72,7 @@ def _local_and_dtensor(grad: torch.Tensor) -> tuple[torch.Tensor, DTensorRecord 
 
 def _record(name: str, param: Any, grad_attr: str) -> tuple[ParamRecord, torch.Tensor | None]:
     attrs: dict[str, Any] = {}
-    for key in _COPIED_ATTRS:
+    for key in PLAIN_ATTRS:
         value = getattr(param, key, None)
         if value is not None:
             attrs[key] = value if isinstance(value, bool) else int(value)

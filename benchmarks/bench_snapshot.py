@@ -1,0 +1,163 @@
+"""Reading a snapshot: gradstat's norm + zero count against the cheapest pass over the files.
+
+Writes (once) a seeded fp32 snapshot of ``--ranks`` rank files totalling ``--gib`` GiB, every
+tensor TP-sharded so that every byte counts, then times, alternately and each in a fresh
+process so that peak RSS is its own:
+
+- peer: open each file with ``safetensors.safe_open`` and sum each tensor once;
+- ours: ``Snapshot.open`` (validation) + ``snapshot_stats`` (L2 norm and zero count).
+
+Prints the median of per-repeat time ratios ours/peer, the ratio of the fastest times, and each
+side's peak RSS against the snapshot's size. The files stay in the page cache between runs
+(a warm-up pass of each side runs first), so this measures reading, not the disk.
+
+Usage::
+
+    python benchmarks/bench_snapshot.py [--gib 4] [--ranks 8] [--repeats 5] [--dir PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+_SHAPES = ((4096, 1024), (1024, 1024), (2048, 768), (512, 4096), (8192, 512))
+
+
+def write_snapshot(directory: Path, gib: float, ranks: int) -> None:
+    """``ranks`` rank files of ~gib/ranks GiB each: 2-D fp32 shards, a third of them sparse."""
+    from gradstat.snapshot import save_rank
+
+    per_rank = int(gib * (1 << 30) / 4 / ranks)
+    gen = torch.Generator().manual_seed(0)
+    for rank in range(ranks):
+        params, total, index = [], 0, 0
+        while total < per_rank:
+            shape = _SHAPES[index % len(_SHAPES)]
+            grad = torch.randn(shape, generator=gen)
+            if index % 3 == 0:
+                grad[: shape[0] // 2] = 0.0
+            param = torch.nn.Parameter(torch.empty(0))
+            param.grad = None
+            holder = type("Shard", (), {})()
+            holder.grad, holder.shape = grad, grad.shape
+            holder.tensor_model_parallel, holder.partition_dim = True, 0
+            params.append((f"layers.{index}.weight", holder))
+            total += grad.numel()
+            index += 1
+        save_rank(directory, params, rank=rank, world_size=ranks, coords={"tp": [rank, ranks]})
+        del params
+
+
+def measure(side: str, directory: Path) -> dict[str, float]:
+    """One timed pass in this process; returns seconds and peak RSS in bytes."""
+    from safetensors import safe_open
+
+    from gradstat.analysis import snapshot_stats
+    from gradstat.snapshot import Snapshot
+
+    start = time.perf_counter()
+    if side == "peer":
+        total = 0.0
+        for path in sorted(directory.glob("*.safetensors")):
+            with safe_open(str(path), framework="pt") as file:
+                for key in file.keys():  # noqa: SIM118 (safe_open is not iterable)
+                    total += float(file.get_tensor(key).sum())
+        result = total
+    else:
+        stats = snapshot_stats(Snapshot.open(directory), (2.0,))
+        result = stats.norm(2) + stats.zeros
+    seconds = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"seconds": seconds, "peak_rss": peak, "result": result}
+
+
+def _run(side: str, directory: Path) -> dict[str, float]:
+    output = subprocess.run(
+        [sys.executable, __file__, "--measure", side, "--dir", str(directory)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return dict(json.loads(output))
+
+
+def _baseline_rss() -> float:
+    """Peak RSS of a process that imports torch, gradstat and safetensors and does nothing."""
+    code = (
+        "import resource, torch, safetensors, gradstat.analysis;"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"
+    )
+    return float(
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        ).stdout
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--gib", type=float, default=4.0)
+    parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dir", type=Path, default=None, help="keep the snapshot here")
+    parser.add_argument("--measure", choices=("peer", "ours"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.measure:
+        print(json.dumps(measure(args.measure, args.dir)))
+        return 0
+    temporary = args.dir is None
+    directory = Path(tempfile.mkdtemp(prefix="gradstat-bench-")) if temporary else args.dir
+    try:
+        if not any(directory.glob("*.safetensors")):
+            print(
+                f"writing {args.gib} GiB in {args.ranks} rank files to {directory}", file=sys.stderr
+            )
+            write_snapshot(directory, args.gib, args.ranks)
+        size = sum(path.stat().st_size for path in directory.glob("*.safetensors"))
+        _run("peer", directory), _run("ours", directory)  # warm the page cache
+        peers, ours = [], []
+        for repeat in range(args.repeats):
+            order = ("peer", "ours") if repeat % 2 == 0 else ("ours", "peer")
+            for side in order:
+                (peers if side == "peer" else ours).append(_run(side, directory))
+        ratios = [o["seconds"] / p["seconds"] for o, p in zip(ours, peers, strict=True)]
+        base = _baseline_rss()
+        peer_rss = max(run["peak_rss"] for run in peers)
+        ours_rss = max(run["peak_rss"] for run in ours)
+        gib = 1 << 30
+        print(
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads, snapshot "
+            f"{size / gib:.2f} GiB in {args.ranks} rank files, {args.repeats} repeats\n"
+        )
+        print("| measure | ours | peer (safe_open + sum) | ours/peer |")
+        print("|---|---:|---:|---:|")
+        print(
+            f"| time, median of per-repeat ratios | | | {statistics.median(ratios):.2f}x |\n"
+            f"| time, fastest runs | {min(o['seconds'] for o in ours):.2f} s | "
+            f"{min(p['seconds'] for p in peers):.2f} s | "
+            f"{min(o['seconds'] for o in ours) / min(p['seconds'] for p in peers):.2f}x |\n"
+            f"| peak RSS | {ours_rss / gib:.2f} GiB | {peer_rss / gib:.2f} GiB | "
+            f"{ours_rss / peer_rss:.2f}x |\n"
+            f"| peak RSS above an idle process ({base / gib:.2f} GiB) | "
+            f"{(ours_rss - base) / gib:.2f} GiB | {(peer_rss - base) / gib:.2f} GiB | |"
+        )
+        print(f"\nsnapshot size {size / gib:.2f} GiB; target: time <= 1.3x, RSS near the peer's")
+    finally:
+        if temporary:
+            shutil.rmtree(directory, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
