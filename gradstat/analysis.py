@@ -46,6 +46,16 @@ class ParamStats:
         return _root(self.power_sums[norm_type], norm_type)
 
 
+def nan_max(values: Iterable[float]) -> float:
+    """The largest value, NaN if any is NaN (Python's max() drops a NaN after a number)."""
+    peak = 0.0
+    for value in values:
+        if math.isnan(value):
+            return math.nan
+        peak = max(peak, value)
+    return peak
+
+
 def _root(power_sum: float, norm_type: float) -> float:
     return math.sqrt(power_sum) if norm_type == 2 else power_sum ** (1.0 / norm_type)
 
@@ -59,7 +69,7 @@ class SnapshotStats:
 
     def norm(self, norm_type: float) -> float:
         if norm_type == math.inf:
-            return max((param.norm(math.inf) for param in self.params), default=0.0)
+            return nan_max(param.norm(math.inf) for param in self.params)
         total = sum(param.power_sums[norm_type] for param in self.params)
         return _root(total, norm_type)
 
@@ -108,7 +118,7 @@ def _add(stats: ParamStats, rank_file: RankFile, param: RebuiltParam) -> None:
     for norm_type in stats.power_sums:
         stats.power_sums[norm_type] += float(kernels.power_sum([grad], norm_type, _CPU))
     if stats.max_abs is not None:
-        stats.max_abs = max(stats.max_abs, float(kernels.abs_max([grad], _CPU)))
+        stats.max_abs = nan_max((stats.max_abs, float(kernels.abs_max([grad], _CPU))))
     pad = gtp_pad_zero_count(param, grad)
     stats.pad_zeros += pad
     stats.numel += grad.numel() - pad

@@ -269,3 +269,29 @@ def test_gtp_group_must_match_the_coordinates(tmp_path: Path) -> None:
     save_rank(tmp_path, [("w", shard)], rank=0, world_size=1, coords={"gtp": [0, 4]})
     with pytest.raises(SnapshotError, match=r"GTP group \[1, 2\] does not match .* \[0, 4\]"):
         Snapshot.open(tmp_path)
+
+
+def test_short_fragments_of_gtp_shards_are_valid(tmp_path: Path) -> None:
+    """A distributed-optimizer fragment shorter than the padding is still a valid record."""
+    from gradstat.layout import Layout as JobLayout
+    from gradstat.layout import ParamLayout, shard_gradients, write_snapshot
+
+    gen = torch.Generator().manual_seed(2)
+    grads = {"w": torch.randn(16, 4, generator=gen), "b": torch.randn(118, generator=gen)}
+    specs = [ParamLayout("w", gtp=True), ParamLayout("b")]
+    layout = JobLayout(gtp=2, dp=2, gtp_align=32, distributed_optimizer=True)
+    write_snapshot(tmp_path, layout, shard_gradients(layout, specs, grads))
+    stats = snapshot_stats(Snapshot.open(tmp_path), (2.0,))
+    assert stats.pad_zeros == 48 * 4
+    assert rel_err(stats.norm(2), float64_norm(list(grads.values()), 2)) <= 1e-6
+
+
+def test_rank_files_get_the_usual_file_mode(tmp_path: Path) -> None:
+    previous = os.umask(0o022)
+    try:
+        path = save_rank(
+            tmp_path, [("w", param_with(torch.ones(2)))], rank=0, world_size=1, coords={}
+        )
+    finally:
+        os.umask(previous)
+    assert path.stat().st_mode & 0o777 == 0o644

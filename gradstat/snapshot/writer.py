@@ -174,6 +174,12 @@ def save_rank(
     return target
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _write_atomically(
     target: Path,
     metadata: dict[str, str],
@@ -182,6 +188,8 @@ def _write_atomically(
 ) -> None:
     handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     try:
+        # mkstemp makes the file owner-only; a snapshot gets the mode any new file would.
+        os.fchmod(handle, 0o666 & ~_umask())
         with os.fdopen(handle, "wb") as file:
             write_container(file, metadata, tensors)
             file.flush()

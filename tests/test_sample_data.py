@@ -1,0 +1,241 @@
+"""sample_data/: the generator is deterministic, and its snapshots give the unsharded statistics.
+
+The model and its gradients come from the script itself (imported from its path); the expected
+statistics are computed here, in float64, from those unsharded gradients.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import gradstat
+from gradstat.analysis import SnapshotStats, snapshot_stats
+from gradstat.layout import Layout, LayoutError, ParamLayout, shard_gradients
+from gradstat.snapshot import Snapshot
+from tests._oracle import float64_norm, rel_err, zeros_in
+
+SAMPLE_DATA = Path(__file__).resolve().parents[1] / "sample_data"
+SCRIPT = SAMPLE_DATA / "make_sample_data.py"
+NORM_TYPES = (2.0, 1.0, math.inf)
+
+
+def _load_script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("make_sample_data", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it loads
+    spec.loader.exec_module(module)
+    return module
+
+
+sample = _load_script()
+CLEAN = (sample.DISTOPT, sample.GTP)
+ALL = (*CLEAN, sample.NAN)
+
+
+@pytest.fixture(scope="module")
+def grads() -> dict[str, torch.Tensor]:
+    return dict(sample.full_gradients().grads)
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The three snapshots, generated in this process into a fresh directory."""
+    out = tmp_path_factory.mktemp("sample_data")
+    assert sample.generate(out) == 0
+    return out
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {
+        str(path.relative_to(directory)): path.read_bytes()
+        for path in sorted(directory.rglob("*.safetensors"))
+    }
+
+
+def _stats(directory: Path) -> SnapshotStats:
+    return snapshot_stats(Snapshot.open(directory), NORM_TYPES)
+
+
+def test_a_second_run_writes_byte_identical_files(generated: Path, tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    first, second = _files(generated), _files(tmp_path)
+    assert len(first) == 3 * 8
+    assert first == second
+    # stdout is the figures table only: a header, the oracle and one row per snapshot.
+    rows = result.stdout.splitlines()
+    assert [row.split()[0] for row in rows[1:]] == ["unsharded", *ALL]
+
+
+def test_the_committed_files_are_what_the_script_writes(generated: Path) -> None:
+    """Same files, same headers and attributes; values equal up to the CPU's fp32 rounding."""
+    for name in ALL:
+        committed, fresh = SAMPLE_DATA / name, generated / name
+        assert sorted(_files(committed)) == sorted(_files(fresh)), name
+        for path in sorted(fresh.glob("*.safetensors")):
+            with (
+                safe_open(str(path), framework="pt") as new,
+                safe_open(str(committed / path.name), framework="pt") as old,
+            ):
+                assert json.loads(old.metadata()["gradstat"]) == json.loads(
+                    new.metadata()["gradstat"]
+                ), path.name
+                assert sorted(old.keys()) == sorted(new.keys())
+                for key in new.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    torch.testing.assert_close(
+                        old.get_tensor(key),
+                        new.get_tensor(key),
+                        rtol=1e-5,
+                        atol=1e-8,
+                        equal_nan=True,
+                    )
+
+
+def test_existing_output_is_refused_without_force(generated: Path, tmp_path: Path) -> None:
+    target = tmp_path / sample.GTP
+    target.mkdir()
+    mine = target / "notes.txt"
+    mine.write_text("the user's")
+    assert sample.main(["--out", str(tmp_path)]) == 2
+    assert sorted(path.name for path in tmp_path.iterdir()) == [sample.GTP]
+    assert sorted(target.iterdir()) == [mine]
+    assert sample.main(["--out", str(tmp_path), "--force"]) == 0
+    assert mine.read_text() == "the user's"
+    assert _files(tmp_path) == _files(generated)
+
+
+@pytest.mark.parametrize("source", ["generated", "committed"])
+@pytest.mark.parametrize("name", CLEAN)
+def test_snapshot_statistics_equal_the_unsharded_gradients(
+    name: str, source: str, generated: Path, grads: dict[str, torch.Tensor]
+) -> None:
+    directory = (generated if source == "generated" else SAMPLE_DATA) / name
+    snapshot = Snapshot.open(directory)
+    assert (snapshot.world_size, snapshot.step) == (8, sample.STEP)
+    stats = snapshot_stats(snapshot, NORM_TYPES)
+    everything = list(grads.values())
+    for norm_type in NORM_TYPES:
+        expected, got = float64_norm(everything, norm_type), stats.norm(norm_type)
+        if source == "generated" and norm_type == math.inf:
+            assert got == expected
+        else:
+            assert rel_err(got, expected) <= 1e-6, norm_type
+    assert stats.zeros == zeros_in(everything)
+    assert stats.numel == sum(grad.numel() for grad in everything)
+    by_name = {param.name: param for param in stats.params}
+    assert sorted(by_name) == sorted(grads)  # each logical parameter once; no output copy
+    for param_name, grad in grads.items():
+        assert by_name[param_name].zeros == zeros_in([grad]), param_name
+        assert by_name[param_name].numel == grad.numel(), param_name
+        expected = float64_norm([grad], 2)
+        assert math.isclose(by_name[param_name].norm(2), expected, rel_tol=1e-6, abs_tol=1e-12)
+
+
+def test_nan_snapshot_names_the_broken_parameters(generated: Path) -> None:
+    clean = {param.name: param for param in _stats(generated / sample.DISTOPT).params}
+    stats = _stats(generated / sample.NAN)
+    assert math.isnan(stats.norm(2.0)) and math.isnan(stats.norm(1.0))
+    (nan_rank, nan_name, _), (inf_rank, inf_name, _) = sample.CORRUPTIONS
+    by_name = {param.name: param for param in stats.params}
+    assert math.isnan(by_name[nan_name].norm(2)) and nan_rank in by_name[nan_name].ranks
+    assert by_name[inf_name].norm(2) == math.inf and inf_rank in by_name[inf_name].ranks
+    assert by_name[inf_name].norm(math.inf) == math.inf
+    for name, param in by_name.items():
+        if name not in (nan_name, inf_name):
+            assert param.norm(2) == clean[name].norm(2), name
+    assert stats.zeros == sum(param.zeros for param in clean.values())
+
+
+def test_nan_snapshot_inf_norm_is_nan(generated: Path) -> None:
+    stats = _stats(generated / sample.NAN)
+    nan_name = sample.CORRUPTIONS[0][1]
+    by_name = {param.name: param for param in stats.params}
+    assert math.isnan(by_name[nan_name].norm(math.inf))
+    assert math.isnan(stats.norm(math.inf))
+
+
+def test_unreached_expert_and_unused_vocabulary_have_exact_zero_gradients(
+    generated: Path, grads: dict[str, torch.Tensor]
+) -> None:
+    gradients = sample.full_gradients()
+    assert gradients.tokens_per_expert[sample.UNREACHED_EXPERT] == 0
+    assert all(
+        count > 0
+        for index, count in enumerate(gradients.tokens_per_expert)
+        if index != sample.UNREACHED_EXPERT
+    )
+    unreached = [name for name in grads if f"local_experts.{sample.UNREACHED_EXPERT}." in name]
+    assert len(unreached) == 2
+    stats = {param.name: param for param in _stats(generated / sample.GTP).params}
+    for name in unreached:
+        assert not grads[name].count_nonzero()
+        assert stats[name].zeros == stats[name].numel == grads[name].numel()
+    embedding = grads[sample.EMBEDDING]
+    unused = list(sample.UNUSED_TOKENS)
+    assert not embedding[unused].count_nonzero()
+    used = [token for token in range(sample.VOCAB) if token not in sample.UNUSED_TOKENS]
+    assert bool((embedding[used] != 0).any(dim=1).all())
+    # What the file holds: rank 0 of the GTP layout has the whole embedding (TP=1, not GTP).
+    with safe_open(str(generated / sample.GTP / "rank-00000.safetensors"), framework="pt") as f:
+        assert torch.equal(f.get_tensor(sample.EMBEDDING), embedding)
+
+
+def test_gtp_layout_has_padding_spilling_into_a_lower_rank(generated: Path) -> None:
+    layout = sample.LAYOUTS[sample.GTP]
+    multiple = layout.gtp_align * layout.gtp
+    expected_pad = 0
+    for name, grad in sample.full_gradients().grads.items():
+        if name.endswith(sample._GTP_SHARDED):
+            expected_pad += (-grad.shape[0] % multiple) * grad.shape[1]
+    stats = _stats(generated / sample.GTP)
+    assert stats.pad_zeros == expected_pad > 0
+    # Expert 0's linear_fc1 has 16 rows, padded to 64: 48 rows of padding, 32 per EGTP shard,
+    # so EGTP rank 0's shard ends in 16 padding rows and rank 1's is all padding.
+    name = f"decoder.layers.{sample.MOE_LAYER}.mlp.experts.local_experts.0.linear_fc1.weight"
+    snapshot = Snapshot.open(generated / sample.GTP)
+    shards = {}
+    for rank_file in snapshot.files:
+        with rank_file.params() as params:
+            for param in params:
+                if param.name == name:
+                    shards[rank_file.header.coords["egtp"][0]] = param.grad.clone()
+                    assert param.pad_length == 48
+    assert set(shards) == {0, 1}
+    assert shards[0].shape == (32, sample.HIDDEN)
+    assert shards[0][:16].count_nonzero() == 16 * sample.HIDDEN
+    assert not shards[0][16:].count_nonzero() and not shards[1].count_nonzero()
+
+
+def test_layout_rank_order_and_errors() -> None:
+    layout = Layout(tp=2, gtp=2, dp=2, pp=2, ep=2, egtp=2)
+    assert (layout.world_size, layout.edp) == (16, 2)
+    coords = layout.coords(13)  # stage 1, stage rank 5: tp 1, gtp 0, dp 1; egtp 1, ep 0, edp 1
+    assert coords["pp"] == (1, 2) and coords["tp"] == (1, 2) and coords["gtp"] == (0, 2)
+    assert coords["dp"] == (1, 2) and coords["egtp"] == (1, 2) and coords["ep"] == (0, 2)
+    assert coords["edp"] == (1, 2) and coords["etp"] == (0, 1) and coords["cp"] == (0, 1)
+    with pytest.raises(LayoutError, match="cannot be regrouped"):
+        Layout(tp=2, ep=4)
+    grad = {"w": torch.ones(3, 4)}
+    with pytest.raises(LayoutError, match="needs dim 0 divisible by TP size 2"):
+        shard_gradients(Layout(tp=2), [ParamLayout("w", "column")], grad)
+    with pytest.raises(LayoutError, match="stage 1 is outside pp size 1"):
+        shard_gradients(Layout(), [ParamLayout("w", stage=1)], grad)
+    with pytest.raises(LayoutError, match="'v' is not a described parameter"):
+        shard_gradients(Layout(), [ParamLayout("w")], {**grad, "v": torch.ones(1)})
+    assert isinstance(LayoutError("x"), gradstat.GradstatError)
