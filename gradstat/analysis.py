@@ -10,7 +10,7 @@ count once per Replicate mesh dimension.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +20,7 @@ from .clip_grads import check_norm_type, count_zeros_fp32, grads_for_norm
 from .predicates import gtp_pad_zero_count
 from .snapshot import RankFile, RebuiltParam, Snapshot
 
-__all__ = ["ParamStats", "SnapshotStats", "counts", "snapshot_stats"]
+__all__ = ["NonFinite", "ParamStats", "SnapshotStats", "counts", "nan_max", "snapshot_stats"]
 
 _CPU = torch.device("cpu")
 
@@ -61,17 +61,33 @@ def _root(power_sum: float, norm_type: float) -> float:
 
 
 @dataclass(frozen=True)
+class NonFinite:
+    """NaN and Inf elements of one parameter's gradient on one rank."""
+
+    rank: int
+    name: str
+    nan: int
+    inf: int
+
+
+@dataclass(frozen=True)
 class SnapshotStats:
     """The whole snapshot's statistics and their per-parameter breakdown (module order)."""
 
     params: tuple[ParamStats, ...]
     norm_types: tuple[float, ...]
+    nonfinite: tuple[NonFinite, ...] = ()
 
-    def norm(self, norm_type: float) -> float:
+    def norm(self, norm_type: float, expert: bool | None = None) -> float:
+        """The global norm; of dense (``expert=False``) or expert params only if asked.
+
+        Megatron reduces dense and expert statistics in separate optimizers and combines them
+        (sqrt(dense^2 + expert^2) for L2): summing powers over all parameters is the same.
+        """
+        params = [param for param in self.params if expert is None or param.expert == expert]
         if norm_type == math.inf:
-            return nan_max(param.norm(math.inf) for param in self.params)
-        total = sum(param.power_sums[norm_type] for param in self.params)
-        return _root(total, norm_type)
+            return nan_max(param.norm(math.inf) for param in params)
+        return _root(sum(param.power_sums[norm_type] for param in params), norm_type)
 
     @property
     def zeros(self) -> int:
@@ -112,45 +128,66 @@ def counts(rank_file: RankFile, param: RebuiltParam) -> bool:
     return coords["dp"][0] == 0 and coords["cp"][0] == 0
 
 
-def _add(stats: ParamStats, rank_file: RankFile, param: RebuiltParam) -> None:
+def _add(
+    stats: ParamStats, rank_file: RankFile, param: RebuiltParam, with_zeros: bool
+) -> NonFinite | None:
+    """Add one counted tensor to its parameter's statistics; report its NaN/Inf if any."""
     grad = param.grad
     assert grad is not None
+    partials = []
     for norm_type in stats.power_sums:
-        stats.power_sums[norm_type] += float(kernels.power_sum([grad], norm_type, _CPU))
+        partials.append(float(kernels.power_sum([grad], norm_type, _CPU)))
+        stats.power_sums[norm_type] += partials[-1]
     if stats.max_abs is not None:
-        stats.max_abs = nan_max((stats.max_abs, float(kernels.abs_max([grad], _CPU))))
+        partials.append(float(kernels.abs_max([grad], _CPU)))
+        stats.max_abs = nan_max((stats.max_abs, partials[-1]))
     pad = gtp_pad_zero_count(param, grad)
     stats.pad_zeros += pad
     stats.numel += grad.numel() - pad
-    stats.zeros += int(
-        count_zeros_fp32(
-            [param],
-            None,
-            tp_group=rank_file.place("tp"),
-            expert_tp_group=rank_file.place("etp"),
-            gtp_group=rank_file.place("gtp"),
-            expert_gtp_group=rank_file.place("egtp"),
+    if with_zeros:
+        stats.zeros += int(
+            count_zeros_fp32(
+                [param],
+                None,
+                tp_group=rank_file.place("tp"),
+                expert_tp_group=rank_file.place("etp"),
+                gtp_group=rank_file.place("gtp"),
+                expert_gtp_group=rank_file.place("egtp"),
+            )
         )
-    )
     stats.ranks.append(rank_file.rank)
+    # NaN and Inf propagate into every norm: only a non-finite partial needs the extra passes.
+    if all(math.isfinite(partial) for partial in partials):
+        return None
+    nan, inf = int(torch.isnan(grad).sum()), int(torch.isinf(grad).sum())
+    return NonFinite(rank_file.rank, param.name, nan, inf) if nan or inf else None
 
 
 def snapshot_stats(
-    snapshot: Snapshot, norm_types: Iterable[float] = (2.0,), ranks: Sequence[int] | None = None
+    snapshot: Snapshot,
+    norm_types: Iterable[float] = (2.0,),
+    ranks: Sequence[int] | None = None,
+    *,
+    zeros: bool = True,
+    on_file: Callable[[RankFile], None] | None = None,
 ) -> SnapshotStats:
     """Norms and zero counts of a snapshot, streaming one rank file at a time.
 
-    Each norm type costs one pass over the data, the zero count another.
+    Each norm type costs one pass over the data, the zero count another. Tensors whose norms
+    come out non-finite are located (rank, parameter, NaN and Inf counts).
 
     Args:
         snapshot: an opened (validated) snapshot.
-        norm_types: the norm types to compute (2, 1, inf or any finite p > 0).
+        norm_types: the norm types to compute (2, 1, inf or any finite p > 0); may be empty.
         ranks: only these ranks' files (a process's share under a launcher); None: all.
+        zeros: count zero gradients.
+        on_file: called after each rank file is done (progress reporting).
     """
     asked = {check_norm_type(p) for p in norm_types}
     finite = tuple(sorted(asked - {math.inf}, key=lambda p: (p != 2, p)))
     with_inf = math.inf in asked
     by_name: dict[str, ParamStats] = {}
+    nonfinite: list[NonFinite] = []
     wanted = None if ranks is None else set(ranks)
     for rank_file in snapshot.files:
         if wanted is not None and rank_file.rank not in wanted:
@@ -167,5 +204,10 @@ def snapshot_stats(
                         power_sums=dict.fromkeys(finite, 0.0),
                         max_abs=0.0 if with_inf else None,
                     )
-                _add(stats, rank_file, param)
-    return SnapshotStats(tuple(by_name.values()), (*finite, math.inf) if with_inf else finite)
+                found = _add(stats, rank_file, param, zeros)
+                if found is not None:
+                    nonfinite.append(found)
+        if on_file is not None:
+            on_file(rank_file)
+    norm_types_done = (*finite, math.inf) if with_inf else finite
+    return SnapshotStats(tuple(by_name.values()), norm_types_done, tuple(nonfinite))

@@ -1,14 +1,31 @@
 """The ``gradstat`` command line: parses arguments and renders results, computes nothing.
 
 Importing this module must stay cheap: torch is imported only by the commands that need it, so
-``gradstat --help`` and ``gradstat --version`` answer at once.
+``gradstat --help`` and ``gradstat --version`` answer at once. stdout carries results only (a
+table, or exactly one JSON document with ``--json``); errors are one line on stderr.
+
+Exit status: 0 fine, 1 findings (non-finite gradients), 2 bad input or usage.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
 import typer
+from rich.console import Console
 
 from ._version import __version__
+
+if TYPE_CHECKING:
+    from .snapshot import RankFile, Snapshot
+
+EXIT_FINDINGS, EXIT_BAD_INPUT = 1, 2
 
 app = typer.Typer(
     name="gradstat",
@@ -17,6 +34,64 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+SnapshotArg = Annotated[
+    Path, typer.Argument(help="Snapshot directory (one rank-NNNNN.safetensors per rank).")
+]
+JsonOption = Annotated[
+    bool, typer.Option("--json", help="Print exactly one JSON document on stdout.")
+]
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.echo(f"gradstat: error: {message}", err=True)
+    return typer.Exit(EXIT_BAD_INPUT)
+
+
+@contextmanager
+def _user_errors() -> Iterator[None]:
+    """Turn gradstat's own errors (and the OS's) into one line on stderr and exit status 2."""
+    from .errors import GradstatError
+
+    try:
+        yield
+    except GradstatError as error:
+        raise _fail(str(error)) from None
+    except OSError as error:
+        where = f"{error.filename}: " if error.filename else ""
+        raise _fail(f"{where}{error.strerror or error}") from None
+
+
+def _parse_norm_type(text: str) -> float:
+    from .clip_grads import check_norm_type
+
+    try:
+        value = math.inf if text.strip().lower() in ("inf", "infinity") else float(text)
+        return check_norm_type(value)
+    except ValueError:
+        message = f"--norm-type {text!r} is not supported; use 2, 1, inf or a number p > 0"
+        raise _fail(message) from None
+
+
+@contextmanager
+def _progress(snapshot: Snapshot) -> Iterator[Callable[[RankFile], None] | None]:
+    """A progress bar on stderr while rank files are read, when stderr is a terminal."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    from rich.progress import Progress
+
+    with Progress(console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("reading rank files", total=len(snapshot.files))
+        yield lambda _: progress.advance(task)
+
+
+def _emit(as_json: bool, document: dict[str, Any], draw: Callable[[Console], None]) -> None:
+    if as_json:
+        sys.stdout.write(json.dumps(document, indent=2, allow_nan=False) + "\n")
+    else:
+        # A terminal gets its own width; a pipe or a log file gets tables that do not fold.
+        draw(Console(width=None if sys.stdout.isatty() else 160))
 
 
 def _print_version(value: bool) -> None:
@@ -27,15 +102,79 @@ def _print_version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: bool = typer.Option(
-        False,
-        "--version",
-        callback=_print_version,
-        is_eager=True,
-        help="Print the version and exit.",
-    ),
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_print_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
 ) -> None:
     """Megatron-exact gradient norms, clipping and zero counts for sharded gradients."""
+
+
+@app.command()
+def norm(
+    snapshot_dir: SnapshotArg,
+    norm_type: Annotated[
+        str, typer.Option("--norm-type", "-p", help="2, 1, inf, or any number p > 0.")
+    ] = "2",
+    max_norm: Annotated[
+        float | None,
+        typer.Option("--max-norm", help="Also show the clip coefficient for this max norm."),
+    ] = None,
+    top: Annotated[
+        int, typer.Option("--top", min=1, help="Parameters to list (largest first).")
+    ] = 20,
+    as_json: JsonOption = False,
+) -> None:
+    """The global gradient norm as Megatron computes it, and each parameter's share.
+
+    Exit status 1 when a gradient holds NaN or Inf (they are located by rank and parameter).
+    """
+    p = _parse_norm_type(norm_type)
+    if max_norm is not None and not (math.isfinite(max_norm) and max_norm > 0):
+        raise _fail(f"--max-norm must be a positive number, got {max_norm}")
+    from .analysis import snapshot_stats
+    from .render import print_norm
+    from .report import norm_report
+    from .snapshot import Snapshot
+
+    with _user_errors():
+        snapshot = Snapshot.open(snapshot_dir)
+        with _progress(snapshot) as on_file:
+            stats = snapshot_stats(snapshot, (p,), zeros=False, on_file=on_file)
+    report = norm_report(snapshot, stats, p, max_norm, top)
+    _emit(as_json, report.to_json(), lambda console: print_norm(console, report))
+    if report.nonfinite:
+        raise typer.Exit(EXIT_FINDINGS)
+
+
+@app.command()
+def zeros(snapshot_dir: SnapshotArg, as_json: JsonOption = False) -> None:
+    """num_zeros as Megatron counts it (GTP padding excluded), and per parameter."""
+    from .analysis import snapshot_stats
+    from .render import print_zeros
+    from .report import zeros_report
+    from .snapshot import Snapshot
+
+    with _user_errors():
+        snapshot = Snapshot.open(snapshot_dir)
+        with _progress(snapshot) as on_file:
+            stats = snapshot_stats(snapshot, (), on_file=on_file)
+    report = zeros_report(snapshot, stats)
+    _emit(as_json, report.to_json(), lambda console: print_zeros(console, report))
+
+
+@app.command()
+def inspect(snapshot_dir: SnapshotArg, as_json: JsonOption = False) -> None:
+    """What gradstat rebuilt: world size, axes, files, and each parameter's attributes."""
+    from .render import print_inspect
+    from .report import inspect_report
+    from .snapshot import Snapshot
+
+    with _user_errors():
+        report = inspect_report(Snapshot.open(snapshot_dir))
+    _emit(as_json, report.to_json(), lambda console: print_inspect(console, report))
 
 
 @app.command()

@@ -1,0 +1,120 @@
+"""Rich tables for the report rows (the other rendering is ``to_json``)."""
+
+from __future__ import annotations
+
+import math
+
+from rich.console import Console
+from rich.table import Table
+
+from .report import InspectReport, NormReport, SnapshotInfo, ZerosReport
+
+__all__ = ["print_inspect", "print_norm", "print_zeros"]
+
+
+def _number(value: float, digits: int = 6) -> str:
+    if math.isnan(value):
+        return "[bold red]nan[/]"
+    if math.isinf(value):
+        return "[bold red]inf[/]" if value > 0 else "[bold red]-inf[/]"
+    return f"{value:.{digits}g}"
+
+
+def _norm_name(norm_type: float) -> str:
+    if norm_type == math.inf:
+        return "inf"
+    return f"L{norm_type:g}"
+
+
+def _header(console: Console, info: SnapshotInfo) -> None:
+    optimizer = "distributed optimizer" if info.distributed_optimizer else "plain optimizer"
+    step = "" if info.step is None else f", step {info.step}"
+    console.print(f"[bold]{info.path}[/]: {info.world_size} ranks, {optimizer}{step}")
+
+
+def print_norm(console: Console, report: NormReport) -> None:
+    _header(console, report.snapshot)
+    name = _norm_name(report.norm_type)
+    console.print(
+        f"total {name} norm [bold]{_number(report.total_norm, 10)}[/] "
+        f"(dense {_number(report.dense_norm, 8)}, expert {_number(report.expert_norm, 8)})"
+    )
+    if report.clip_coeff is not None and report.max_norm is not None:
+        verdict = "clips" if report.clip_coeff < 1.0 else "does not clip"
+        console.print(
+            f"max_norm {report.max_norm:g}: clip coefficient {_number(report.clip_coeff, 8)} "
+            f"({verdict})"
+        )
+    share = (
+        "share of norm" if report.norm_type == math.inf else f"share of norm^{report.norm_type:g}"
+    )
+    table = Table(title=f"parameters by contribution ({len(report.params)} shown)")
+    table.add_column("parameter", overflow="fold")
+    for column in (f"{name} norm", share, "elements", "ranks"):
+        table.add_column(column, justify="right")
+    for row in report.params:
+        label = f"{row.name} [dim](expert)[/]" if row.expert else row.name
+        shown = "-" if math.isnan(row.share) else f"{row.share:.2%}"
+        table.add_row(label, _number(row.norm), shown, str(row.num_elements), str(row.ranks))
+    console.print(table)
+    if report.nonfinite:
+        found = Table(title="[bold red]non-finite gradients[/]")
+        found.add_column("rank", justify="right")
+        found.add_column("parameter", overflow="fold")
+        for column in ("NaN", "Inf"):
+            found.add_column(column, justify="right")
+        for item in report.nonfinite:
+            found.add_row(str(item.rank), item.name, str(item.nan), str(item.inf))
+        console.print(found)
+
+
+def print_zeros(console: Console, report: ZerosReport) -> None:
+    _header(console, report.snapshot)
+    console.print(
+        f"num_zeros [bold]{report.num_zeros}[/] of {report.num_elements} elements "
+        f"({report.sparsity:.2%}); GTP padding excluded: {report.padding_excluded}"
+    )
+    table = Table(title="zeros per parameter")
+    table.add_column("parameter", overflow="fold")
+    for column in ("zeros", "elements", "sparsity", "padding excluded"):
+        table.add_column(column, justify="right")
+    for row in report.params:
+        table.add_row(
+            row.name,
+            str(row.num_zeros),
+            str(row.num_elements),
+            f"{row.sparsity:.2%}",
+            str(row.padding_excluded),
+        )
+    console.print(table)
+
+
+def print_inspect(console: Console, report: InspectReport) -> None:
+    _header(console, report.snapshot)
+    axes = ", ".join(f"{axis}={size}" for axis, size in report.axes.items() if size > 1)
+    total = sum(file.bytes for file in report.files)
+    console.print(
+        f"format version {report.format_version}; axes: {axes or 'none split'}; "
+        f"{len(report.files)} files, {total} bytes"
+    )
+    table = Table(title="parameters")
+    table.add_column("parameter", overflow="fold")
+    for column in ("dtype", "local shape", "ranks", "kind", "attributes"):
+        table.add_column(column, justify="right" if column == "ranks" else "left")
+    for row in report.params:
+        notes = []
+        if row.tensor_parallel:
+            notes.append(f"TP partition dim {row.partition_dim}")
+        elif row.kind != "fsdp shard":
+            notes.append("replicated over TP")
+        if row.shared:
+            notes.append("shared copy (not counted)")
+        if row.expert:
+            notes.append("expert")
+        if row.gtp_pad_length:
+            notes.append(f"GTP pad {row.gtp_pad_length} rows")
+        if row.no_grad:
+            notes.append("no gradient")
+        shape = "x".join(str(dim) for dim in row.local_shape) or "scalar"
+        table.add_row(row.name, row.dtype, shape, str(row.ranks), row.kind, ", ".join(notes))
+    console.print(table)

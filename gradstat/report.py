@@ -1,0 +1,275 @@
+"""Report rows: what the CLI shows, as frozen dataclasses; the table and the JSON render them.
+
+Building a report needs computed statistics, but importing this module imports no torch, so
+the CLI can load it before deciding whether any work is needed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .analysis import SnapshotStats
+    from .snapshot import Snapshot
+
+__all__ = [
+    "InspectReport",
+    "NormReport",
+    "ZerosReport",
+    "inspect_report",
+    "json_number",
+    "norm_report",
+    "zeros_report",
+]
+
+
+def json_number(value: float) -> float | str:
+    """A float for JSON: non-finite values become the strings "nan", "inf", "-inf"."""
+    if math.isfinite(value):
+        return value
+    return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+
+
+def _jsonable(data: Any) -> Any:
+    if isinstance(data, float):
+        return json_number(data)
+    if isinstance(data, dict):
+        return {key: _jsonable(value) for key, value in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_jsonable(value) for value in data]
+    return data
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    path: str
+    world_size: int
+    step: int | None
+    distributed_optimizer: bool
+
+
+def _info(snapshot: Snapshot) -> SnapshotInfo:
+    return SnapshotInfo(
+        str(snapshot.directory),
+        snapshot.world_size,
+        snapshot.step,
+        snapshot.distributed_optimizer,
+    )
+
+
+@dataclass(frozen=True)
+class ParamNormRow:
+    name: str
+    norm: float
+    share: float  # of total_norm^p (of total_norm for inf)
+    num_elements: int
+    expert: bool
+    ranks: int  # how many rank files hold a counted piece of it
+
+
+@dataclass(frozen=True)
+class NonFiniteRow:
+    rank: int
+    name: str
+    nan: int
+    inf: int
+
+
+@dataclass(frozen=True)
+class NormReport:
+    snapshot: SnapshotInfo
+    norm_type: float
+    total_norm: float
+    dense_norm: float
+    expert_norm: float
+    params: tuple[ParamNormRow, ...]
+    nonfinite: tuple[NonFiniteRow, ...]
+    max_norm: float | None
+    clip_coeff: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["norm_type"] = json_number(self.norm_type)
+        return dict(_jsonable(data))
+
+
+def _share(norm: float, total: float, norm_type: float) -> float:
+    if not (math.isfinite(norm) and math.isfinite(total)) or total == 0:
+        return math.nan if not math.isfinite(norm) or not math.isfinite(total) else 0.0
+    return norm / total if norm_type == math.inf else (norm / total) ** norm_type
+
+
+def _by_contribution(row: ParamNormRow) -> tuple[bool, float]:
+    # Non-finite parameters first (they are what the user is looking for), then largest first.
+    finite = math.isfinite(row.norm)
+    return finite, -row.norm if finite else 0.0
+
+
+def norm_report(
+    snapshot: Snapshot,
+    stats: SnapshotStats,
+    norm_type: float,
+    max_norm: float | None = None,
+    top: int | None = None,
+) -> NormReport:
+    """The global norm as Megatron computes it, and each parameter's part in it."""
+    total = stats.norm(norm_type)
+    rows = [
+        ParamNormRow(
+            name=param.name,
+            norm=param.norm(norm_type),
+            share=_share(param.norm(norm_type), total, norm_type),
+            num_elements=param.numel,
+            expert=param.expert,
+            ranks=len(set(param.ranks)),
+        )
+        for param in stats.params
+    ]
+    # Non-finite parameters first: they are what the user is looking for.
+    rows.sort(
+        key=lambda row: (math.isfinite(row.norm), -row.norm if math.isfinite(row.norm) else 0)
+    )
+    nonfinite = tuple(
+        NonFiniteRow(item.rank, item.name, item.nan, item.inf)
+        for item in sorted(stats.nonfinite, key=lambda item: (item.rank, item.name))
+    )
+    clip_coeff = None if max_norm is None else max_norm / (total + 1.0e-6)
+    return NormReport(
+        snapshot=_info(snapshot),
+        norm_type=norm_type,
+        total_norm=total,
+        dense_norm=stats.norm(norm_type, expert=False),
+        expert_norm=stats.norm(norm_type, expert=True),
+        params=tuple(rows if top is None else rows[:top]),
+        nonfinite=nonfinite,
+        max_norm=max_norm,
+        clip_coeff=clip_coeff,
+    )
+
+
+@dataclass(frozen=True)
+class ParamZerosRow:
+    name: str
+    num_zeros: int
+    num_elements: int
+    padding_excluded: int
+    sparsity: float
+
+
+@dataclass(frozen=True)
+class ZerosReport:
+    snapshot: SnapshotInfo
+    num_zeros: int
+    num_elements: int
+    padding_excluded: int
+    sparsity: float
+    params: tuple[ParamZerosRow, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(_jsonable(asdict(self)))
+
+
+def _sparsity(zeros: int, elements: int) -> float:
+    return zeros / elements if elements else 0.0
+
+
+def zeros_report(snapshot: Snapshot, stats: SnapshotStats) -> ZerosReport:
+    """num_zeros as Megatron counts it (GTP padding excluded), and per parameter."""
+    rows = tuple(
+        ParamZerosRow(
+            name=param.name,
+            num_zeros=param.zeros,
+            num_elements=param.numel,
+            padding_excluded=param.pad_zeros,
+            sparsity=_sparsity(param.zeros, param.numel),
+        )
+        for param in stats.params
+    )
+    return ZerosReport(
+        snapshot=_info(snapshot),
+        num_zeros=stats.zeros,
+        num_elements=stats.numel,
+        padding_excluded=stats.pad_zeros,
+        sparsity=_sparsity(stats.zeros, stats.numel),
+        params=rows,
+    )
+
+
+@dataclass(frozen=True)
+class FileRow:
+    rank: int
+    path: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class ParamInspectRow:
+    name: str
+    dtype: str
+    local_shape: tuple[int, ...]
+    ranks: int
+    kind: str  # "tensor-parallel", "replicated", "fragment", "fsdp shard"
+    tensor_parallel: bool
+    partition_dim: int
+    shared: bool
+    expert: bool
+    gtp_pad_length: int
+    no_grad: bool
+
+
+@dataclass(frozen=True)
+class InspectReport:
+    snapshot: SnapshotInfo
+    format_version: int
+    axes: dict[str, int]
+    files: tuple[FileRow, ...]
+    params: tuple[ParamInspectRow, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(_jsonable(asdict(self)))
+
+
+def inspect_report(snapshot: Snapshot) -> InspectReport:
+    """What gradstat rebuilt from the headers alone (no gradient is read)."""
+    rows: dict[str, ParamInspectRow] = {}
+    holders: dict[str, int] = {}
+    for rank_file in snapshot.files:
+        for record in rank_file.header.params:
+            holders[record.name] = holders.get(record.name, 0) + 1
+            if record.name in rows:
+                continue
+            if record.attr("fsdp_param") or record.dtensor is not None:
+                kind = "fsdp shard"
+            elif rank_file.header.distributed_optimizer:
+                kind = "fragment"
+            elif record.attr("tensor_model_parallel"):
+                kind = "tensor-parallel"
+            else:
+                kind = "replicated"
+            rows[record.name] = ParamInspectRow(
+                name=record.name,
+                dtype=record.dtype or "-",
+                local_shape=record.shape,
+                ranks=0,
+                kind=kind,
+                tensor_parallel=bool(record.attr("tensor_model_parallel")),
+                partition_dim=int(record.attr("partition_dim")),
+                shared=bool(record.attr("shared")),
+                expert=record.is_expert,
+                gtp_pad_length=int(record.attr("pad_length"))
+                if record.attr("is_gtp_weight_remat")
+                else 0,
+                no_grad=not record.has_grad,
+            )
+    params = tuple(replace(row, ranks=holders[name]) for name, row in rows.items())
+    files = tuple(FileRow(file.rank, str(file.path), file.size_bytes) for file in snapshot.files)
+    first = snapshot.files[0].header
+    return InspectReport(
+        snapshot=_info(snapshot),
+        format_version=first.version,
+        axes=snapshot.axis_sizes,
+        files=files,
+        params=params,
+    )

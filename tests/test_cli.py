@@ -1,0 +1,160 @@
+"""The CLI end to end: numbers against the float64 statistics of the unsharded gradients."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from gradstat.cli import app
+from tests._layouts import Layout, full_grads, model_specs
+from tests._oracle import float64_norm, rel_err, zeros_in
+from tests.test_snapshot import dump_layout
+
+LAYOUT = Layout("tp2_pp2_ep2_gtp2_moe", tp=2, pp=2, gtp=2, ep=2, moe=True, align=8)
+SAMPLES = Path(__file__).resolve().parent.parent / "sample_data"
+
+
+@pytest.fixture(scope="module")
+def snapshot_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("snapshot")
+    dump_layout(LAYOUT, directory)
+    return directory
+
+
+def _grads() -> dict[str, Any]:
+    grads = full_grads(LAYOUT.moe)
+    return {spec.name: grads[spec.name] for spec in model_specs(LAYOUT.moe)}
+
+
+def _json(*args: str) -> tuple[int, dict[str, Any]]:
+    result = CliRunner().invoke(app, [*args, "--json"])
+    return result.exit_code, json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("norm_type", ["2", "1", "3", "inf"])
+def test_norm_json_equals_float64(snapshot_dir: Path, norm_type: str) -> None:
+    code, report = _json("norm", str(snapshot_dir), "--norm-type", norm_type, "--top", "1000")
+    assert code == 0
+    p = math.inf if norm_type == "inf" else float(norm_type)
+    grads = _grads()
+    expected = float64_norm(list(grads.values()), p)
+    if p == math.inf:
+        assert report["norm_type"] == "inf" and report["total_norm"] == expected
+    else:
+        assert report["norm_type"] == p
+        assert rel_err(report["total_norm"], expected) <= 1e-6
+    rows = {row["name"]: row for row in report["params"]}
+    assert sorted(rows) == sorted(grads)
+    for name, grad in grads.items():
+        assert math.isclose(rows[name]["norm"], float64_norm([grad], p), rel_tol=1e-6)
+    experts = [grad for name, grad in grads.items() if "experts" in name]
+    assert math.isclose(report["expert_norm"], float64_norm(experts, p), rel_tol=1e-6)
+    if p != math.inf:
+        assert math.isclose(sum(row["share"] for row in rows.values()), 1.0, rel_tol=1e-9)
+    assert report["nonfinite"] == []
+
+
+def test_norm_clip_coefficient_and_top(snapshot_dir: Path) -> None:
+    code, report = _json("norm", str(snapshot_dir), "--max-norm", "0.5", "--top", "3")
+    assert code == 0
+    expected = float64_norm(list(_grads().values()), 2)
+    assert math.isclose(report["clip_coeff"], 0.5 / (expected + 1e-6), rel_tol=1e-6)
+    norms = [row["norm"] for row in report["params"]]
+    assert len(norms) == 3 and norms == sorted(norms, reverse=True)
+
+
+def test_zeros_json_equals_exact_count(snapshot_dir: Path) -> None:
+    code, report = _json("zeros", str(snapshot_dir))
+    assert code == 0
+    grads = _grads()
+    assert report["num_zeros"] == zeros_in(grads.values())
+    assert report["num_elements"] == sum(grad.numel() for grad in grads.values())
+    assert report["padding_excluded"] > 0
+    rows = {row["name"]: row for row in report["params"]}
+    for name, grad in grads.items():
+        assert rows[name]["num_zeros"] == zeros_in([grad]), name
+        assert rows[name]["num_elements"] == grad.numel(), name
+
+
+def test_inspect_json(snapshot_dir: Path) -> None:
+    code, report = _json("inspect", str(snapshot_dir))
+    assert code == 0
+    assert report["snapshot"]["world_size"] == LAYOUT.world_size
+    assert report["axes"]["tp"] == 2 and report["axes"]["gtp"] == 2 and report["axes"]["ep"] == 2
+    assert [row["rank"] for row in report["files"]] == list(range(LAYOUT.world_size))
+    rows = {row["name"]: row for row in report["params"]}
+    assert rows["output_layer.weight"]["shared"] is True
+    assert any(row["gtp_pad_length"] > 0 for row in rows.values())
+    assert all(row["expert"] == ("experts" in name) for name, row in rows.items())
+
+
+def _gradstat(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gradstat", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_nonfinite_gradients_are_located_and_exit_1() -> None:
+    result = _gradstat("norm", str(SAMPLES / "tp2-pp2-dp2-ep2-distopt-nan"), "--json")
+    assert result.returncode == 1
+    report = json.loads(result.stdout)  # exactly one JSON document on stdout
+    assert report["total_norm"] == "nan"
+    assert report["nonfinite"] == [
+        {
+            "rank": 5,
+            "name": "decoder.layers.1.self_attention.linear_qkv.weight",
+            "nan": 1,
+            "inf": 0,
+        },
+        {
+            "rank": 6,
+            "name": "decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.weight",
+            "nan": 0,
+            "inf": 1,
+        },
+    ]
+    assert result.stderr == ""
+
+
+def test_table_output_names_the_nonfinite_rank() -> None:
+    result = _gradstat("norm", str(SAMPLES / "tp2-pp2-dp2-ep2-distopt-nan"))
+    assert result.returncode == 1
+    assert "non-finite gradients" in result.stdout
+    assert "decoder.layers.1.self_attention.linear_qkv.weight" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["norm", "/nonexistent/snapshot"], "/nonexistent/snapshot: no such directory"),
+        (["norm", "SAMPLE", "--norm-type", "0"], "--norm-type '0' is not supported"),
+        (["norm", "SAMPLE", "--norm-type", "two"], "--norm-type 'two' is not supported"),
+        (["norm", "SAMPLE", "--max-norm", "-1"], "--max-norm must be a positive number"),
+        (["zeros", "EMPTY"], "no rank files"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str, tmp_path: Path) -> None:
+    substitutions = {"SAMPLE": str(SAMPLES / "gtp2-pp2-dp2-ep2"), "EMPTY": str(tmp_path)}
+    result = _gradstat(*[substitutions.get(arg, arg) for arg in args])
+    assert result.returncode == 2
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gradstat: error: ")
+    assert message in lines[0]
+
+
+def test_unknown_command_is_a_usage_error() -> None:
+    result = _gradstat("nonsense")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
