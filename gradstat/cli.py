@@ -166,6 +166,58 @@ def zeros(snapshot_dir: SnapshotArg, as_json: JsonOption = False) -> None:
 
 
 @app.command()
+def clip(
+    snapshot_dir: SnapshotArg,
+    max_norm: Annotated[float, typer.Option("--max-norm", help="The largest total norm allowed.")],
+    out: Annotated[Path, typer.Option("--out", help="New directory for the clipped snapshot.")],
+    norm_type: Annotated[
+        str, typer.Option("--norm-type", "-p", help="Norm to clip by: 2, 1, inf or p > 0.")
+    ] = "2",
+    allow_nonfinite: Annotated[
+        bool,
+        typer.Option(
+            "--allow-nonfinite",
+            help="Write the output even when the norm is NaN/Inf (gradients are then copied "
+            "unchanged, as Megatron leaves them).",
+        ),
+    ] = False,
+    as_json: JsonOption = False,
+) -> None:
+    """Write a clipped copy of a snapshot (clip_grad_by_total_norm_fp32 semantics).
+
+    The input is never modified; DIR must be new or empty and not inside the input. The copy
+    appears atomically: a killed run leaves nothing that looks complete.
+    """
+    p = _parse_norm_type(norm_type)
+    if not (math.isfinite(max_norm) and max_norm > 0):
+        raise _fail(f"--max-norm must be a positive number, got {max_norm}")
+    from .analysis import snapshot_stats
+    from .clip_grads import clip_coefficient
+    from .render import print_clip
+    from .report import ClipReport
+    from .snapshot import Snapshot
+    from .snapshot.clip import check_output_dir, write_clipped
+
+    with _user_errors():
+        snapshot = Snapshot.open(snapshot_dir)
+        check_output_dir(snapshot, out)
+        with _progress(snapshot) as on_file:
+            stats = snapshot_stats(snapshot, (p,), zeros=False, on_file=on_file)
+        total = stats.norm(p)
+        if not math.isfinite(total) and not allow_nonfinite:
+            raise _fail(
+                f"{snapshot_dir}: the {norm_type} norm is {total}; refusing to write a clipped "
+                f"copy of non-finite gradients (gradstat norm locates them; "
+                f"--allow-nonfinite writes it anyway)"
+            )
+        coefficient = clip_coefficient(max_norm, total)
+        with _progress(snapshot) as on_file:
+            write_clipped(snapshot, out, coefficient, on_file)
+    report = ClipReport(str(snapshot_dir), str(out), p, max_norm, total, coefficient)
+    _emit(as_json, report.to_json(), lambda console: print_clip(console, report))
+
+
+@app.command()
 def inspect(snapshot_dir: SnapshotArg, as_json: JsonOption = False) -> None:
     """What gradstat rebuilt: world size, axes, files, and each parameter's attributes."""
     from .render import print_inspect

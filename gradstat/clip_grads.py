@@ -28,6 +28,7 @@ from .predicates import (
 from .predicates import gtp_pad_zero_count as _gtp_pad_zero_count
 
 __all__ = [
+    "clip_coefficient",
     "clip_grad_by_total_norm_fp32",
     "count_zeros_fp32",
     "get_grad_norm_fp32",
@@ -134,6 +135,14 @@ def _grads_of(parameters: _Params, use_decoupled_grad: bool) -> list[Tensor]:
     return grads
 
 
+def clip_coefficient(max_norm: float, total_norm: float | Tensor) -> float:
+    """Megatron's clip coefficient ``max_norm / (total_norm + 1e-6)``; scale only when < 1.
+
+    NaN when the norm is NaN: ``nan < 1`` is false, so non-finite gradients are left as they are.
+    """
+    return float(max_norm) / (float(total_norm) + 1.0e-6)
+
+
 def clip_grad_by_total_norm_fp32(
     parameters: _Params,
     max_norm: float,
@@ -159,7 +168,7 @@ def clip_grad_by_total_norm_fp32(
     if not max_norm > 0:
         raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
     grads = _grads_of(parameters, use_decoupled_grad)
-    clip_coeff = float(max_norm) / (float(total_norm) + 1.0e-6)
+    clip_coeff = clip_coefficient(max_norm, total_norm)
     if grads and clip_coeff < 1.0:
         torch._foreach_mul_(grads, clip_coeff)
 

@@ -7,9 +7,9 @@ import math
 from rich.console import Console
 from rich.table import Table
 
-from .report import InspectReport, NormReport, SnapshotInfo, ZerosReport
+from .report import ClipReport, InspectReport, NormReport, SnapshotInfo, ZerosReport
 
-__all__ = ["print_inspect", "print_norm", "print_zeros"]
+__all__ = ["print_clip", "print_inspect", "print_norm", "print_zeros"]
 
 
 def _number(value: float, digits: int = 6) -> str:
@@ -118,3 +118,19 @@ def print_inspect(console: Console, report: InspectReport) -> None:
         shape = "x".join(str(dim) for dim in row.local_shape) or "scalar"
         table.add_row(row.name, row.dtype, shape, str(row.ranks), row.kind, ", ".join(notes))
     console.print(table)
+
+
+def print_clip(console: Console, report: ClipReport) -> None:
+    name = _norm_name(report.norm_type)
+    action = (
+        f"scaled by {_number(report.clip_coeff, 8)}"
+        if report.clipped
+        else "copied unchanged (coefficient >= 1)"
+        if report.clip_coeff >= 1.0
+        else "copied unchanged (non-finite norm)"
+    )
+    console.print(
+        f"{report.snapshot}: total {name} norm {_number(report.total_norm, 10)}, "
+        f"max_norm {report.max_norm:g}: gradients {action}"
+    )
+    console.print(f"wrote {report.out}")

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from .snapshot import Snapshot
 
 __all__ = [
+    "ClipReport",
     "InspectReport",
     "NormReport",
     "ZerosReport",
@@ -147,6 +148,25 @@ def norm_report(
         max_norm=max_norm,
         clip_coeff=clip_coeff,
     )
+
+
+@dataclass(frozen=True)
+class ClipReport:
+    snapshot: str
+    out: str
+    norm_type: float
+    max_norm: float
+    total_norm: float
+    clip_coeff: float
+
+    @property
+    def clipped(self) -> bool:
+        return self.clip_coeff < 1.0
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["clipped"] = self.clipped
+        return dict(_jsonable(data))
 
 
 @dataclass(frozen=True)

@@ -158,3 +158,99 @@ def test_unknown_command_is_a_usage_error() -> None:
     result = _gradstat("nonsense")
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
+
+
+def _digest(directory: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(directory.iterdir())}
+
+
+def test_clip_writes_a_scaled_copy_and_leaves_the_input(snapshot_dir: Path, tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    before = _digest(snapshot_dir)
+    out = tmp_path / "clipped"
+    code, report = _json("clip", str(snapshot_dir), "--max-norm", "0.25", "--out", str(out))
+    assert code == 0
+    assert _digest(snapshot_dir) == before
+    total = float64_norm(list(_grads().values()), 2)
+    coefficient = 0.25 / (total + 1e-6)
+    assert math.isclose(report["clip_coeff"], coefficient, rel_tol=1e-6)
+    assert report["clipped"] is True
+    assert sorted(path.name for path in out.iterdir()) == sorted(before)
+    for name in before:
+        with (
+            safe_open(str(snapshot_dir / name), "pt") as src,
+            safe_open(str(out / name), "pt") as dst,
+        ):
+            assert dst.metadata() == src.metadata()
+            for key in src.keys():  # noqa: SIM118
+                original, clipped = src.get_tensor(key), dst.get_tensor(key)
+                assert clipped.dtype == original.dtype
+                expected = original.double() * report["clip_coeff"]
+                assert (clipped.double() - expected).abs().max() <= 1e-6 * expected.abs().max()
+    code, again = _json("norm", str(out))
+    assert math.isclose(again["total_norm"], total * coefficient, rel_tol=1e-6)
+
+
+def test_clip_below_max_norm_copies_unchanged(snapshot_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "same"
+    out.mkdir()  # an existing empty directory is fine
+    code, report = _json("clip", str(snapshot_dir), "--max-norm", "1e9", "--out", str(out))
+    assert code == 0 and report["clipped"] is False
+    assert _digest(out) == _digest(snapshot_dir)
+
+
+def test_clip_refuses_nonfinite_unless_asked(tmp_path: Path) -> None:
+    source = SAMPLES / "tp2-pp2-dp2-ep2-distopt-nan"
+    out = tmp_path / "out"
+    result = _gradstat("clip", str(source), "--max-norm", "1", "--out", str(out))
+    assert result.returncode == 2 and "refusing to write a clipped copy" in result.stderr
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+    result = _gradstat(
+        "clip", str(source), "--max-norm", "1", "--out", str(out), "--allow-nonfinite"
+    )
+    assert result.returncode == 0, result.stderr
+    assert _digest(out) == _digest(source)
+
+
+@pytest.mark.parametrize("where", ["nonempty", "inside", "same"])
+def test_clip_refuses_unsafe_outputs(snapshot_dir: Path, tmp_path: Path, where: str) -> None:
+    out = {
+        "nonempty": tmp_path / "full",
+        "inside": snapshot_dir / "nested",
+        "same": snapshot_dir,
+    }[where]
+    if where == "nonempty":
+        out.mkdir()
+        (out / "keep.txt").write_text("mine")
+    before = _digest(snapshot_dir)
+    result = _gradstat("clip", str(snapshot_dir), "--max-norm", "1", "--out", str(out))
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert _digest(snapshot_dir) == before
+    if where == "nonempty":
+        assert _digest(out) == {"keep.txt": b"mine"}
+
+
+def test_interrupted_clip_leaves_no_output(
+    snapshot_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gradstat.snapshot.clip as clip_module
+
+    calls = []
+    real = clip_module.write_container
+
+    def fail_on_third(*args: Any) -> None:
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        real(*args)
+
+    monkeypatch.setattr(clip_module, "write_container", fail_on_third)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        app, ["clip", str(snapshot_dir), "--max-norm", "0.1", "--out", str(out)]
+    )
+    assert result.exit_code == 2
+    assert "No space left on device" in result.stderr
+    assert list(tmp_path.iterdir()) == []

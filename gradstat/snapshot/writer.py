@@ -174,10 +174,11 @@ def save_rank(
     return target
 
 
-def _umask() -> int:
+def default_mode(directory: bool = False) -> int:
+    """The mode a new file (or directory) gets under the process's umask."""
     mask = os.umask(0)
     os.umask(mask)
-    return mask
+    return (0o777 if directory else 0o666) & ~mask
 
 
 def _write_atomically(
@@ -189,7 +190,7 @@ def _write_atomically(
     handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     try:
         # mkstemp makes the file owner-only; a snapshot gets the mode any new file would.
-        os.fchmod(handle, 0o666 & ~_umask())
+        os.fchmod(handle, default_mode())
         with os.fdopen(handle, "wb") as file:
             write_container(file, metadata, tensors)
             file.flush()

@@ -1,0 +1,86 @@
+"""Write a clipped copy of a snapshot: same format, dtypes and attributes, atomically."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from ..errors import SnapshotError
+from .container import write_container
+from .reader import RankFile, Snapshot
+from .writer import default_mode
+
+__all__ = ["check_output_dir", "write_clipped"]
+
+
+def check_output_dir(snapshot: Snapshot, out: Path) -> None:
+    """Refuse an output that exists with content, or that is (inside) the input snapshot.
+
+    Raises:
+        SnapshotError: naming the directory and the problem.
+    """
+    source = snapshot.directory.resolve()
+    target = out.resolve()
+    if target == source or source in target.parents:
+        raise SnapshotError(f"{out}: the output must not be the input snapshot or inside it")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise SnapshotError(f"{out}: exists and is not an empty directory; choose a new one")
+
+
+def _scaled(rank_file: RankFile, coefficient: float) -> list[tuple[str, torch.Tensor]]:
+    tensors = []
+    with rank_file.params() as params:
+        for param in params:
+            if param.grad is None:
+                continue
+            grad = param.grad.clone()  # the map is read-only, and the input is never changed
+            if coefficient < 1.0:
+                grad.mul_(coefficient)
+            tensors.append((param.name, grad))
+    return tensors
+
+
+def write_clipped(
+    snapshot: Snapshot,
+    out: Path,
+    coefficient: float,
+    on_file: Callable[[RankFile], None] | None = None,
+) -> None:
+    """Write every rank file scaled by ``coefficient`` (when < 1) into the new directory ``out``.
+
+    The files are written into a hidden sibling directory, fsynced, and the directory is renamed
+    to ``out`` last: a run killed midway leaves no ``out``, only a ``.NAME.partial-*`` directory.
+
+    Raises:
+        SnapshotError: an unusable ``out`` or a write failure, naming the path.
+    """
+    check_output_dir(snapshot, out)
+    parent = out.parent if str(out.parent) else Path(".")
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=parent))
+    except OSError as error:
+        raise SnapshotError(f"{out}: cannot create it ({error.strerror or error})") from error
+    try:
+        for rank_file in snapshot.files:
+            target = staging / rank_file.path.name
+            with open(target, "wb") as file:
+                write_container(file, rank_file.container.metadata, _scaled(rank_file, coefficient))
+                file.flush()
+                os.fsync(file.fileno())
+            os.chmod(target, default_mode())
+            if on_file is not None:
+                on_file(rank_file)
+        os.chmod(staging, default_mode(directory=True))
+        if out.exists():
+            out.rmdir()  # checked empty above; rename needs it gone or empty
+        os.rename(staging, out)
+    except OSError as error:
+        raise SnapshotError(f"{out}: cannot write the clipped snapshot ({error})") from error
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
