@@ -16,11 +16,23 @@ from dataclasses import dataclass, field
 import torch
 
 from . import kernels
-from .clip_grads import check_norm_type, count_zeros_fp32, grads_for_norm
+from .clip_grads import check_norm_type, grads_for_norm
 from .predicates import gtp_pad_zero_count
 from .snapshot import RankFile, RebuiltParam, Snapshot
 
-__all__ = ["NonFinite", "ParamStats", "SnapshotStats", "counts", "nan_max", "snapshot_stats"]
+__all__ = [
+    "NonFinite",
+    "ParamStats",
+    "Piece",
+    "Request",
+    "SnapshotStats",
+    "counts",
+    "file_pieces",
+    "merge",
+    "nan_max",
+    "snapshot_pieces",
+    "snapshot_stats",
+]
 
 _CPU = torch.device("cpu")
 
@@ -128,39 +140,108 @@ def counts(rank_file: RankFile, param: RebuiltParam) -> bool:
     return coords["dp"][0] == 0 and coords["cp"][0] == 0
 
 
-def _add(
-    stats: ParamStats, rank_file: RankFile, param: RebuiltParam, with_zeros: bool
-) -> NonFinite | None:
-    """Add one counted tensor to its parameter's statistics; report its NaN/Inf if any."""
+@dataclass(frozen=True)
+class Piece:
+    """The statistics of one counted tensor (a shard or fragment) of one rank file.
+
+    Pieces are what crosses processes under a launcher: a few numbers per tensor. Merging them
+    in rank-file order gives bitwise the same totals however the files were split.
+    """
+
+    rank: int
+    name: str
+    expert: bool
+    numel: int
+    pad_zeros: int
+    zeros: int
+    power_sums: tuple[float, ...]
+    max_abs: float | None
+    nonfinite: NonFinite | None
+
+
+@dataclass(frozen=True)
+class Request:
+    """What to compute: finite norm types, the inf norm, the zero count, and where."""
+
+    finite: tuple[float, ...]
+    with_inf: bool
+    zeros: bool
+    device: torch.device = _CPU
+
+    @classmethod
+    def make(
+        cls, norm_types: Iterable[float], zeros: bool = True, device: str | torch.device = "cpu"
+    ) -> Request:
+        asked = {check_norm_type(p) for p in norm_types}
+        finite = tuple(sorted(asked - {math.inf}, key=lambda p: (p != 2, p)))
+        return cls(finite, math.inf in asked, zeros, torch.device(device))
+
+
+def _piece(rank_file: RankFile, param: RebuiltParam, request: Request) -> Piece:
     grad = param.grad
     assert grad is not None
-    partials = []
-    for norm_type in stats.power_sums:
-        partials.append(float(kernels.power_sum([grad], norm_type, _CPU)))
-        stats.power_sums[norm_type] += partials[-1]
-    if stats.max_abs is not None:
-        partials.append(float(kernels.abs_max([grad], _CPU)))
-        stats.max_abs = nan_max((stats.max_abs, partials[-1]))
+    if grad.device != request.device:
+        grad = param.grad = grad.to(request.device)
+    device = request.device
+    power_sums = tuple(float(kernels.power_sum([grad], p, device)) for p in request.finite)
+    max_abs = float(kernels.abs_max([grad], device)) if request.with_inf else None
     pad = gtp_pad_zero_count(param, grad)
-    stats.pad_zeros += pad
-    stats.numel += grad.numel() - pad
-    if with_zeros:
-        stats.zeros += int(
-            count_zeros_fp32(
-                [param],
-                None,
-                tp_group=rank_file.place("tp"),
-                expert_tp_group=rank_file.place("etp"),
-                gtp_group=rank_file.place("gtp"),
-                expert_gtp_group=rank_file.place("egtp"),
-            )
-        )
-    stats.ranks.append(rank_file.rank)
+    zeros = 0
+    if request.zeros:
+        # count_zeros_fp32 without its reduction: this runs per tensor, also under a launcher
+        # whose processes hold different numbers of tensors (``counts`` applied the filters).
+        zeros = grad.numel() - pad - int(kernels.nonzero_count([grad], device))
+    partials = (*power_sums, *(() if max_abs is None else (max_abs,)))
+    nonfinite = None
     # NaN and Inf propagate into every norm: only a non-finite partial needs the extra passes.
-    if all(math.isfinite(partial) for partial in partials):
-        return None
-    nan, inf = int(torch.isnan(grad).sum()), int(torch.isinf(grad).sum())
-    return NonFinite(rank_file.rank, param.name, nan, inf) if nan or inf else None
+    if not all(math.isfinite(partial) for partial in partials):
+        nan, inf = int(torch.isnan(grad).sum()), int(torch.isinf(grad).sum())
+        if nan or inf:
+            nonfinite = NonFinite(rank_file.rank, param.name, nan, inf)
+    return Piece(
+        rank=rank_file.rank,
+        name=param.name,
+        expert=param.record.is_expert,
+        numel=grad.numel() - pad,
+        pad_zeros=pad,
+        zeros=zeros,
+        power_sums=power_sums,
+        max_abs=max_abs,
+        nonfinite=nonfinite,
+    )
+
+
+def file_pieces(rank_file: RankFile, request: Request) -> list[Piece]:
+    """The pieces of one rank file, in the file's parameter order (it is mapped meanwhile)."""
+    with rank_file.params() as params:
+        return [_piece(rank_file, param, request) for param in params if counts(rank_file, param)]
+
+
+def merge(pieces: Iterable[Piece], request: Request) -> SnapshotStats:
+    """Aggregate pieces per parameter name, in the order given (rank-file order)."""
+    by_name: dict[str, ParamStats] = {}
+    nonfinite = []
+    for piece in pieces:
+        stats = by_name.get(piece.name)
+        if stats is None:
+            stats = by_name[piece.name] = ParamStats(
+                piece.name,
+                piece.expert,
+                power_sums=dict.fromkeys(request.finite, 0.0),
+                max_abs=0.0 if request.with_inf else None,
+            )
+        for norm_type, value in zip(request.finite, piece.power_sums, strict=True):
+            stats.power_sums[norm_type] += value
+        if piece.max_abs is not None:
+            stats.max_abs = nan_max((stats.max_abs or 0.0, piece.max_abs))
+        stats.numel += piece.numel
+        stats.pad_zeros += piece.pad_zeros
+        stats.zeros += piece.zeros
+        stats.ranks.append(piece.rank)
+        if piece.nonfinite is not None:
+            nonfinite.append(piece.nonfinite)
+    norm_types = (*request.finite, math.inf) if request.with_inf else request.finite
+    return SnapshotStats(tuple(by_name.values()), norm_types, tuple(nonfinite))
 
 
 def snapshot_stats(
@@ -170,6 +251,7 @@ def snapshot_stats(
     *,
     zeros: bool = True,
     on_file: Callable[[RankFile], None] | None = None,
+    device: str | torch.device = "cpu",
 ) -> SnapshotStats:
     """Norms and zero counts of a snapshot, streaming one rank file at a time.
 
@@ -182,32 +264,25 @@ def snapshot_stats(
         ranks: only these ranks' files (a process's share under a launcher); None: all.
         zeros: count zero gradients.
         on_file: called after each rank file is done (progress reporting).
+        device: where the reductions run ("cuda:0" loads each tensor onto that GPU first).
     """
-    asked = {check_norm_type(p) for p in norm_types}
-    finite = tuple(sorted(asked - {math.inf}, key=lambda p: (p != 2, p)))
-    with_inf = math.inf in asked
-    by_name: dict[str, ParamStats] = {}
-    nonfinite: list[NonFinite] = []
+    request = Request.make(norm_types, zeros, device)
+    return merge(snapshot_pieces(snapshot, request, ranks, on_file), request)
+
+
+def snapshot_pieces(
+    snapshot: Snapshot,
+    request: Request,
+    ranks: Sequence[int] | None = None,
+    on_file: Callable[[RankFile], None] | None = None,
+) -> list[Piece]:
+    """The pieces of the selected rank files (all by default), in rank-file order."""
     wanted = None if ranks is None else set(ranks)
+    pieces = []
     for rank_file in snapshot.files:
         if wanted is not None and rank_file.rank not in wanted:
             continue
-        with rank_file.params() as params:
-            for param in params:
-                if not counts(rank_file, param):
-                    continue
-                stats = by_name.get(param.name)
-                if stats is None:
-                    stats = by_name[param.name] = ParamStats(
-                        param.name,
-                        param.record.is_expert,
-                        power_sums=dict.fromkeys(finite, 0.0),
-                        max_abs=0.0 if with_inf else None,
-                    )
-                found = _add(stats, rank_file, param, zeros)
-                if found is not None:
-                    nonfinite.append(found)
+        pieces += file_pieces(rank_file, request)
         if on_file is not None:
             on_file(rank_file)
-    norm_types_done = (*finite, math.inf) if with_inf else finite
-    return SnapshotStats(tuple(by_name.values()), norm_types_done, tuple(nonfinite))
+    return pieces

@@ -23,6 +23,7 @@ from rich.console import Console
 from ._version import __version__
 
 if TYPE_CHECKING:
+    from .analysis import SnapshotStats
     from .snapshot import RankFile, Snapshot
 
 EXIT_FINDINGS, EXIT_BAD_INPUT = 1, 2
@@ -40,6 +41,16 @@ SnapshotArg = Annotated[
 ]
 JsonOption = Annotated[
     bool, typer.Option("--json", help="Print exactly one JSON document on stdout.")
+]
+DeviceOption = Annotated[
+    str,
+    typer.Option(
+        "--device", help="cpu, cuda (cuda:LOCAL_RANK under torchrun) or auto (cuda if any)."
+    ),
+]
+TimeoutOption = Annotated[
+    float,
+    typer.Option("--timeout", min=1.0, help="Seconds to wait for other processes under torchrun."),
 ]
 
 
@@ -74,9 +85,9 @@ def _parse_norm_type(text: str) -> float:
 
 
 @contextmanager
-def _progress(snapshot: Snapshot) -> Iterator[Callable[[RankFile], None] | None]:
+def _progress(snapshot: Snapshot, show: bool = True) -> Iterator[Callable[[RankFile], None] | None]:
     """A progress bar on stderr while rank files are read, when stderr is a terminal."""
-    if not sys.stderr.isatty():
+    if not show or not sys.stderr.isatty():
         yield None
         return
     from rich.progress import Progress
@@ -84,6 +95,29 @@ def _progress(snapshot: Snapshot) -> Iterator[Callable[[RankFile], None] | None]
     with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("reading rank files", total=len(snapshot.files))
         yield lambda _: progress.advance(task)
+
+
+def _statistics(
+    snapshot_dir: Path,
+    norm_types: tuple[float, ...],
+    zeros: bool,
+    device: str,
+    timeout: float,
+) -> tuple[Snapshot, SnapshotStats, bool]:
+    """Open, validate and reduce the snapshot, in this process or over torchrun's.
+
+    Returns the snapshot, its statistics, and whether this process prints (rank 0).
+    """
+    from .analysis import Request, merge
+    from .runner import gather_pieces, pick_device, process_group
+    from .snapshot import Snapshot
+
+    with _user_errors(), process_group(timeout) as place:
+        snapshot = Snapshot.open(snapshot_dir)
+        request = Request.make(norm_types, zeros, pick_device(device))
+        with _progress(snapshot, place.is_first) as on_file:
+            pieces = gather_pieces(snapshot, request, place, on_file)
+        return snapshot, merge(pieces, request), place.is_first
 
 
 def _emit(as_json: bool, document: dict[str, Any], draw: Callable[[Console], None]) -> None:
@@ -126,6 +160,8 @@ def norm(
         int, typer.Option("--top", min=1, help="Parameters to list (largest first).")
     ] = 20,
     as_json: JsonOption = False,
+    device: DeviceOption = "cpu",
+    timeout: TimeoutOption = 30.0,
 ) -> None:
     """The global gradient norm as Megatron computes it, and each parameter's share.
 
@@ -134,15 +170,12 @@ def norm(
     p = _parse_norm_type(norm_type)
     if max_norm is not None and not (math.isfinite(max_norm) and max_norm > 0):
         raise _fail(f"--max-norm must be a positive number, got {max_norm}")
-    from .analysis import snapshot_stats
     from .render import print_norm
     from .report import norm_report
-    from .snapshot import Snapshot
 
-    with _user_errors():
-        snapshot = Snapshot.open(snapshot_dir)
-        with _progress(snapshot) as on_file:
-            stats = snapshot_stats(snapshot, (p,), zeros=False, on_file=on_file)
+    snapshot, stats, prints = _statistics(snapshot_dir, (p,), False, device, timeout)
+    if not prints:
+        return
     report = norm_report(snapshot, stats, p, max_norm, top)
     _emit(as_json, report.to_json(), lambda console: print_norm(console, report))
     if report.nonfinite:
@@ -150,17 +183,19 @@ def norm(
 
 
 @app.command()
-def zeros(snapshot_dir: SnapshotArg, as_json: JsonOption = False) -> None:
+def zeros(
+    snapshot_dir: SnapshotArg,
+    as_json: JsonOption = False,
+    device: DeviceOption = "cpu",
+    timeout: TimeoutOption = 30.0,
+) -> None:
     """num_zeros as Megatron counts it (GTP padding excluded), and per parameter."""
-    from .analysis import snapshot_stats
     from .render import print_zeros
     from .report import zeros_report
-    from .snapshot import Snapshot
 
-    with _user_errors():
-        snapshot = Snapshot.open(snapshot_dir)
-        with _progress(snapshot) as on_file:
-            stats = snapshot_stats(snapshot, (), on_file=on_file)
+    snapshot, stats, prints = _statistics(snapshot_dir, (), True, device, timeout)
+    if not prints:
+        return
     report = zeros_report(snapshot, stats)
     _emit(as_json, report.to_json(), lambda console: print_zeros(console, report))
 
@@ -182,6 +217,8 @@ def clip(
         ),
     ] = False,
     as_json: JsonOption = False,
+    device: DeviceOption = "cpu",
+    timeout: TimeoutOption = 30.0,
 ) -> None:
     """Write a clipped copy of a snapshot (clip_grad_by_total_norm_fp32 semantics).
 
@@ -191,7 +228,6 @@ def clip(
     p = _parse_norm_type(norm_type)
     if not (math.isfinite(max_norm) and max_norm > 0):
         raise _fail(f"--max-norm must be a positive number, got {max_norm}")
-    from .analysis import snapshot_stats
     from .clip_grads import clip_coefficient
     from .render import print_clip
     from .report import ClipReport
@@ -199,10 +235,11 @@ def clip(
     from .snapshot.clip import check_output_dir, write_clipped
 
     with _user_errors():
-        snapshot = Snapshot.open(snapshot_dir)
-        check_output_dir(snapshot, out)
-        with _progress(snapshot) as on_file:
-            stats = snapshot_stats(snapshot, (p,), zeros=False, on_file=on_file)
+        check_output_dir(Snapshot.open(snapshot_dir), out)
+    snapshot, stats, prints = _statistics(snapshot_dir, (p,), False, device, timeout)
+    if not prints:
+        return  # rank 0 alone writes the copy
+    with _user_errors():
         total = stats.norm(p)
         if not math.isfinite(total) and not allow_nonfinite:
             raise _fail(

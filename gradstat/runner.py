@@ -1,0 +1,103 @@
+"""One process or many: split rank files over torchrun's processes and gather their pieces.
+
+Each process computes the pieces (a few numbers per counted tensor) of its share of the rank
+files, on its CPU or on ``cuda:LOCAL_RANK``; the pieces travel over a gloo group, so a failure
+raises instead of aborting, and rank 0 merges them in rank-file order: every number is bitwise
+what one process computes alone. A process that hits bad input sends its error instead, and
+every process raises it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .analysis import Piece, Request, snapshot_pieces
+from .errors import GradstatError
+from .snapshot import RankFile, Snapshot
+
+__all__ = ["Place", "gather_pieces", "launched", "pick_device", "process_group"]
+
+
+def launched() -> bool:
+    """True under a launcher (torchrun) with more than one process."""
+    return "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+class Place:
+    """This process's rank and the number of processes (0 of 1 without a launcher)."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+
+@contextmanager
+def process_group(timeout_s: float) -> Iterator[Place]:
+    """Join torchrun's processes in a gloo group for the duration; alone, do nothing."""
+    if not launched():
+        yield Place(0, 1)
+        return
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    try:
+        yield Place(dist.get_rank(), dist.get_world_size())
+    finally:
+        dist.destroy_process_group()
+
+
+def pick_device(choice: str) -> torch.device:
+    """ "cpu", "cuda" (this process's GPU: LOCAL_RANK) or "auto" (cuda when there is one).
+
+    Raises:
+        GradstatError: "cuda" asked for on a machine without one.
+    """
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cpu":
+        return torch.device("cpu")
+    if choice != "cuda":
+        raise GradstatError(f"--device {choice!r}: use cpu, cuda or auto")
+    if not torch.cuda.is_available():
+        raise GradstatError("--device cuda: no CUDA device is available")
+    index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def gather_pieces(
+    snapshot: Snapshot,
+    request: Request,
+    place: Place,
+    on_file: Callable[[RankFile], None] | None = None,
+) -> list[Piece]:
+    """Every rank file's pieces, computed by the processes in turn (files i, i+N, ...).
+
+    Raises:
+        GradstatError: any process's error (the first, by process rank), on every process.
+    """
+    mine = [rank_file.rank for rank_file in snapshot.files][place.rank :: place.size]
+    if place.size == 1:
+        return snapshot_pieces(snapshot, request, mine, on_file)
+    payload: tuple[str, Any]
+    try:
+        payload = ("ok", snapshot_pieces(snapshot, request, mine, on_file))
+    except GradstatError as error:
+        payload = ("error", str(error))
+    gathered: list[Any] = [None] * place.size
+    dist.all_gather_object(gathered, payload)
+    errors = [message for kind, message in gathered if kind == "error"]
+    if errors:
+        raise GradstatError(errors[0])
+    pieces = [piece for _, share in gathered for piece in share]
+    # Stable: each file's pieces stay in their order, files come in rank order.
+    pieces.sort(key=lambda piece: piece.rank)
+    return pieces

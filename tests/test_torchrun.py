@@ -1,0 +1,70 @@
+"""Under torchrun: rank files split over processes, numbers identical to one process."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SAMPLES = Path(__file__).resolve().parent.parent / "sample_data"
+
+
+def _run(*args: str, processes: int | None = None) -> subprocess.CompletedProcess[str]:
+    launcher = (
+        []
+        if processes is None
+        else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"]
+    )
+    command = [sys.executable, *launcher, "-m", "gradstat", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=240, check=False)
+
+
+@pytest.mark.parametrize(
+    ("snapshot", "args"),
+    [
+        ("tp2-pp2-dp2-ep2-distopt", ["norm", "--norm-type", "2", "--top", "100"]),
+        ("gtp2-pp2-dp2-ep2", ["zeros"]),
+        ("tp2-pp2-dp2-ep2-distopt-nan", ["norm", "--norm-type", "inf"]),
+    ],
+)
+def test_three_processes_print_what_one_prints(snapshot: str, args: list[str]) -> None:
+    """3 processes do not divide the snapshot's 8 ranks; the JSON must be byte-identical."""
+    command = [args[0], str(SAMPLES / snapshot), *args[1:], "--json"]
+    alone = _run(*command)
+    launched = _run(*command, processes=3)
+    assert launched.returncode == alone.returncode, launched.stderr
+    assert alone.stdout and launched.stdout == alone.stdout
+
+
+def test_more_processes_than_rank_files(tmp_path: Path) -> None:
+    import torch
+
+    from gradstat.snapshot import save_rank
+    from tests._params import param_with
+
+    for rank in range(2):
+        grad = torch.arange(6, dtype=torch.float32) * (rank + 1)
+        param = param_with(grad, tensor_model_parallel=True)
+        save_rank(tmp_path, [("w", param)], rank=rank, world_size=2, coords={"tp": [rank, 2]})
+    alone = _run("zeros", str(tmp_path), "--json")
+    launched = _run("zeros", str(tmp_path), "--json", processes=3)
+    assert launched.returncode == 0, launched.stderr
+    assert launched.stdout == alone.stdout
+    assert '"num_zeros": 2' in launched.stdout
+
+
+def test_bad_rank_file_stops_every_process_with_the_same_message(tmp_path: Path) -> None:
+    snapshot = tmp_path / "snapshot"
+    shutil.copytree(SAMPLES / "gtp2-pp2-dp2-ep2", snapshot)
+    broken = snapshot / "rank-00005.safetensors"
+    broken.write_bytes(broken.read_bytes()[:100])
+    result = _run("norm", str(snapshot), processes=3)
+    assert result.returncode != 0
+    message = f"gradstat: error: {broken}: header length"
+    assert result.stderr.count(message) == 3, result.stderr
+    # torchrun's own launcher prints a traceback when its children fail; none comes from ours.
+    assert "gradstat/cli.py" not in result.stderr
+    assert result.stdout == ""
