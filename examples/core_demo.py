@@ -131,9 +131,9 @@ def main() -> int:
         table.add_row(name, f"{truth[name]:.10g}", f"{ours:.10g}", f"{naive:.10g}")
     console.print(table)
     matches = all(
-        math.isclose(row[name][0], truth[name], rel_tol=1e-9, abs_tol=0) for name in truth
+        math.isclose(row[name][0], truth[name], rel_tol=1e-6, abs_tol=0) for name in truth
     )
-    console.print(f"gradstat equals the unsharded float64 statistics: {matches}")
+    console.print(f"gradstat equals the unsharded float64 statistics (rel. 1e-6): {matches}")
     torch_err, ours_err = accuracy_row()
     console.print(
         f"L2 norm of 5e7 fp32 elements, relative error vs float64: "
