@@ -39,8 +39,10 @@ from torch import Tensor
 from .errors import GradstatError
 from .groups import AxisPlace
 from .predicates import gtp_local_pad_zero_count
+from .snapshot.format import PLAIN_ATTRS
 
 __all__ = [
+    "FRAGMENT_ATTRS",
     "Layout",
     "LayoutError",
     "ParamLayout",
@@ -52,18 +54,9 @@ __all__ = [
 
 Split = Literal["column", "row", "none"]
 
-# Attributes a distributed-optimizer fragment copies from its model param.
-_FRAGMENT_ATTRS = (
-    "tensor_model_parallel",
-    "partition_dim",
-    "partition_stride",
-    "shared",
-    "shared_embedding",
-    "allreduce",
-    "is_gtp_weight_remat",
-    "pad_length",
-    "group",
-)
+# Attributes a distributed-optimizer fragment copies from its model param (its own
+# gtp_pad_zeros stamp is computed for its range).
+FRAGMENT_ATTRS = (*(key for key in PLAIN_ATTRS if key != "gtp_pad_zeros"), "group")
 
 
 class LayoutError(GradstatError, ValueError):
@@ -293,7 +286,7 @@ def _fragments(
         offset += param.numel()
         if start >= end:
             continue
-        attrs = {key: getattr(param, key) for key in _FRAGMENT_ATTRS if hasattr(param, key)}
+        attrs = {key: getattr(param, key) for key in FRAGMENT_ATTRS if hasattr(param, key)}
         if getattr(param, "is_gtp_weight_remat", False):
             attrs["gtp_pad_zeros"] = gtp_local_pad_zero_count(param, start, end)
         assert param.grad is not None

@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 from torch import Tensor
 
 import gradstat
+from gradstat.layout import FRAGMENT_ATTRS
 from tests._params import param_with
 
 NORM_TYPES: tuple[float, ...] = (2.0, 1.0, 3.0, math.inf)
@@ -548,18 +549,7 @@ def local_params(layout: Layout, view: RankView) -> list[torch.nn.Parameter]:
     return params
 
 
-_FRAGMENT_ATTRS = (
-    "tensor_model_parallel",
-    "partition_dim",
-    "partition_stride",
-    "shared",
-    "shared_embedding",
-    "allreduce",
-    "is_gtp_weight_remat",
-    "pad_length",
-    "group",
-    "_gradstat_name",
-)
+_FRAGMENT_ATTRS = (*FRAGMENT_ATTRS, "_gradstat_name")
 
 
 def fragments(
