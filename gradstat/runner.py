@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -30,11 +31,12 @@ def launched() -> bool:
     return "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
+@dataclass(frozen=True)
 class Place:
     """This process's rank and the number of processes (0 of 1 without a launcher)."""
 
-    def __init__(self, rank: int, size: int) -> None:
-        self.rank, self.size = rank, size
+    rank: int
+    size: int
 
     @property
     def is_first(self) -> bool:
@@ -93,7 +95,14 @@ def gather_pieces(
     except GradstatError as error:
         payload = ("error", str(error))
     gathered: list[Any] = [None] * place.size
-    dist.all_gather_object(gathered, payload)
+    try:
+        dist.all_gather_object(gathered, payload)
+    except RuntimeError as error:  # gloo: a peer died or timed out
+        reason = str(error).strip().splitlines()[-1] if str(error).strip() else "no reason given"
+        raise GradstatError(
+            f"process {place.rank} of {place.size}: another process failed or was lost "
+            f"while gathering results ({reason})"
+        ) from error
     errors = [message for kind, message in gathered if kind == "error"]
     if errors:
         raise GradstatError(errors[0])
