@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,6 +28,9 @@ if TYPE_CHECKING:
     from .snapshot import RankFile, Snapshot
 
 EXIT_FINDINGS, EXIT_BAD_INPUT = 1, 2
+
+# torch without numpy warns at import; gradstat needs no numpy, and stderr is for errors.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 app = typer.Typer(
     name="gradstat",

@@ -9,17 +9,19 @@ every process raises it.
 
 from __future__ import annotations
 
+import ctypes
+import json
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .analysis import Piece, Request, snapshot_pieces
+from .analysis import NonFinite, Piece, Request, snapshot_pieces
 from .errors import GradstatError
 from .snapshot import RankFile, Snapshot
 
@@ -89,24 +91,58 @@ def gather_pieces(
     mine = [rank_file.rank for rank_file in snapshot.files][place.rank :: place.size]
     if place.size == 1:
         return snapshot_pieces(snapshot, request, mine, on_file)
-    payload: tuple[str, Any]
     try:
-        payload = ("ok", snapshot_pieces(snapshot, request, mine, on_file))
+        payload = {
+            "ok": [asdict(piece) for piece in snapshot_pieces(snapshot, request, mine, on_file)]
+        }
     except GradstatError as error:
-        payload = ("error", str(error))
-    gathered: list[Any] = [None] * place.size
+        payload = {"error": str(error)}
     try:
-        dist.all_gather_object(gathered, payload)
+        gathered = [json.loads(blob) for blob in _all_gather_bytes(json.dumps(payload).encode())]
     except RuntimeError as error:  # gloo: a peer died or timed out
         reason = str(error).strip().splitlines()[-1] if str(error).strip() else "no reason given"
         raise GradstatError(
             f"process {place.rank} of {place.size}: another process failed or was lost "
             f"while gathering results ({reason})"
         ) from error
-    errors = [message for kind, message in gathered if kind == "error"]
+    errors = [share["error"] for share in gathered if "error" in share]
     if errors:
         raise GradstatError(errors[0])
-    pieces = [piece for _, share in gathered for piece in share]
+    pieces = [_piece_from(data) for share in gathered for data in share["ok"]]
     # Stable: each file's pieces stay in their order, files come in rank order.
     pieces.sort(key=lambda piece: piece.rank)
     return pieces
+
+
+def _piece_from(data: dict[str, Any]) -> Piece:
+    found = data["nonfinite"]
+    return Piece(
+        **{
+            **data,
+            "power_sums": tuple(data["power_sums"]),
+            "nonfinite": None if found is None else NonFinite(**found),
+        }
+    )
+
+
+def _all_gather_bytes(blob: bytes) -> list[bytes]:
+    """Every process's bytes, in process order, over the default (gloo) group.
+
+    Plain tensors rather than all_gather_object, which needs numpy in some torch builds; JSON
+    rather than pickle, so that nothing a peer sends is ever unpickled. Python's JSON floats
+    round-trip exactly, NaN and Inf included.
+    """
+    size = dist.get_world_size()
+    length = torch.tensor([len(blob)], dtype=torch.int64)
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+    dist.all_gather(lengths, length)
+    longest = max(int(item) for item in lengths)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    if blob:
+        mine[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    buffers = [torch.zeros(longest, dtype=torch.uint8) for _ in range(size)]
+    dist.all_gather(buffers, mine)
+    return [
+        ctypes.string_at(buffer.data_ptr(), int(count))
+        for buffer, count in zip(buffers, lengths, strict=True)
+    ]
