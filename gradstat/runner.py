@@ -91,10 +91,10 @@ def gather_pieces(
     mine = [rank_file.rank for rank_file in snapshot.files][place.rank :: place.size]
     if place.size == 1:
         return snapshot_pieces(snapshot, request, mine, on_file)
+    payload: dict[str, Any]
     try:
-        payload = {
-            "ok": [asdict(piece) for piece in snapshot_pieces(snapshot, request, mine, on_file)]
-        }
+        share = snapshot_pieces(snapshot, request, mine, on_file)
+        payload = {"ok": [asdict(piece) for piece in share]}
     except GradstatError as error:
         payload = {"error": str(error)}
     try:
