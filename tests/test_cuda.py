@@ -76,3 +76,25 @@ def test_nccl_single_rank_reduction(tmp_path: Path) -> None:
     assert float(norm) == pytest.approx(math.sqrt(990 * 4.0), rel=1e-12)
     assert float(zeros) == 10.0
     assert float(second) == 0.0
+
+
+def test_cli_on_cuda_prints_what_cpu_prints() -> None:
+    """--device cuda reduces each tensor on the GPU; the numbers match the CPU's to 1e-6."""
+    import json
+
+    sample = Path(__file__).resolve().parent.parent / "sample_data" / "gtp2-pp2-dp2-ep2"
+    reports = {}
+    for device in ("cpu", "cuda"):
+        result = subprocess.run(
+            [sys.executable, "-m", "gradstat", "norm", str(sample), "--json", "--device", device],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert result.returncode == 0, result.stderr
+        reports[device] = json.loads(result.stdout)
+    assert rel_err(reports["cuda"]["total_norm"], reports["cpu"]["total_norm"]) <= 1e-6
+    cpu_rows = {row["name"]: row["norm"] for row in reports["cpu"]["params"]}
+    for row in reports["cuda"]["params"]:
+        assert math.isclose(row["norm"], cpu_rows[row["name"]], rel_tol=1e-6, abs_tol=1e-12)
