@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -39,6 +40,7 @@ class Place:
 
     rank: int
     size: int
+    timeout_s: float = 30.0
 
     @property
     def is_first(self) -> bool:
@@ -47,15 +49,31 @@ class Place:
 
 @contextmanager
 def process_group(timeout_s: float) -> Iterator[Place]:
-    """Join torchrun's processes in a gloo group for the duration; alone, do nothing."""
+    """Join torchrun's processes in a gloo group for the duration; alone, do nothing.
+
+    Raises:
+        GradstatError: the other processes did not all join within ``timeout_s``.
+    """
     if not launched():
-        yield Place(0, 1)
+        yield Place(0, 1, timeout_s)
         return
-    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    size = int(os.environ["WORLD_SIZE"])
     try:
-        yield Place(dist.get_rank(), dist.get_world_size())
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    except (RuntimeError, ValueError) as error:
+        raise GradstatError(
+            f"process {os.environ.get('RANK')} of {size}: the processes did not all join within "
+            f"{timeout_s:g} s ({_last_line(error)})"
+        ) from error
+    try:
+        yield Place(dist.get_rank(), dist.get_world_size(), timeout_s)
     finally:
         dist.destroy_process_group()
+
+
+def _last_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[-1] if text else type(error).__name__
 
 
 def pick_device(choice: str) -> torch.device:
@@ -91,19 +109,20 @@ def gather_pieces(
     mine = [rank_file.rank for rank_file in snapshot.files][place.rank :: place.size]
     if place.size == 1:
         return snapshot_pieces(snapshot, request, mine, on_file)
+    heartbeat = _Heartbeat(place)
     payload: dict[str, Any]
     try:
-        share = snapshot_pieces(snapshot, request, mine, on_file)
+        share = snapshot_pieces(snapshot, request, mine, heartbeat.beat_after(on_file))
         payload = {"ok": [asdict(piece) for piece in share]}
     except GradstatError as error:
         payload = {"error": str(error)}
+    heartbeat.finish()
     try:
         gathered = [json.loads(blob) for blob in _all_gather_bytes(json.dumps(payload).encode())]
     except RuntimeError as error:  # gloo: a peer died or timed out
-        reason = str(error).strip().splitlines()[-1] if str(error).strip() else "no reason given"
         raise GradstatError(
             f"process {place.rank} of {place.size}: another process failed or was lost "
-            f"while gathering results ({reason})"
+            f"while gathering results ({_last_line(error)})"
         ) from error
     errors = [share["error"] for share in gathered if "error" in share]
     if errors:
@@ -112,6 +131,66 @@ def gather_pieces(
     # Stable: each file's pieces stay in their order, files come in rank order.
     pieces.sort(key=lambda piece: piece.rank)
     return pieces
+
+
+class _Heartbeat:
+    """Progress of every process in the launcher's key-value store, to name a lost one.
+
+    Each process counts the rank files it has finished; a process whose count has not moved for
+    ``timeout_s`` seconds and that has not finished is declared lost, by every other process.
+    """
+
+    def __init__(self, place: Place) -> None:
+        self.place = place
+        self.store = dist.distributed_c10d._get_default_store()
+        self.files = 0
+        self.store.set(self._key("progress", place.rank), "0")
+
+    @staticmethod
+    def _key(kind: str, rank: int) -> str:
+        return f"gradstat/{kind}/{rank}"
+
+    def beat_after(self, on_file: Callable[[RankFile], None] | None) -> Callable[[RankFile], None]:
+        def beat(rank_file: RankFile) -> None:
+            self.files += 1
+            self.store.set(self._key("progress", self.place.rank), str(self.files))
+            if on_file is not None:
+                on_file(rank_file)
+
+        return beat
+
+    def finish(self) -> None:
+        """Say this process is done, then wait for the others or name the ones lost.
+
+        Raises:
+            GradstatError: some processes made no progress for ``timeout_s`` seconds.
+        """
+        self.store.set(self._key("done", self.place.rank), "1")
+        done = [self._key("done", rank) for rank in range(self.place.size)]
+        seen: dict[int, tuple[bytes, float]] = {}
+        while True:
+            try:
+                self.store.wait(done, timedelta(seconds=1))
+                return
+            except RuntimeError:
+                pass  # not all done yet: look for processes that stopped moving
+            now = time.monotonic()
+            lost = []
+            for rank in range(self.place.size):
+                if self.store.check([self._key("done", rank)]):
+                    continue
+                key = self._key("progress", rank)
+                progress = self.store.get(key) if self.store.check([key]) else b""
+                if seen.get(rank, (None, 0.0))[0] != progress:
+                    seen[rank] = (progress, now)
+                elif now - seen[rank][1] > self.place.timeout_s:
+                    lost.append(rank)
+            if lost:
+                raise GradstatError(
+                    f"process {self.place.rank} of {self.place.size}: process "
+                    f"{', '.join(map(str, lost))} made no progress for "
+                    f"{self.place.timeout_s:g} s (killed or hung?); stopping"
+                )
 
 
 def _piece_from(data: dict[str, Any]) -> Piece:

@@ -68,3 +68,54 @@ def test_clip_into_a_directory_that_refuses_writes() -> None:
     assert result.returncode == 2
     assert result.stderr.strip().startswith("gradstat: error: /sys/kernel/gradstat-out: cannot")
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _maps(pid: int, needle: str) -> bool:
+    try:
+        return needle in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_a_frozen_process_is_named_by_the_others(large_snapshot: Path) -> None:
+    """Two processes as a launcher starts them; process 1 freezes while reading its files."""
+    port = _free_port()
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    command = [sys.executable, "-m", "gradstat", "norm", str(large_snapshot), "--timeout", "3"]
+    processes = [
+        subprocess.Popen(
+            command,
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        # Process 1 reads rank files 1 and 3; freeze it once the first is mapped (it has joined
+        # the group and started, and cannot have finished).
+        deadline = time.monotonic() + 120
+        while not _maps(processes[1].pid, str(large_snapshot)) and time.monotonic() < deadline:
+            assert processes[1].poll() is None, processes[1].communicate()
+            time.sleep(0.001)
+        processes[1].send_signal(signal.SIGSTOP)
+        _, stderr = processes[0].communicate(timeout=120)
+        assert processes[0].returncode == 2, stderr
+        assert stderr.strip().splitlines()[-1] == (
+            "gradstat: error: process 0 of 2: process 1 made no progress for 3 s "
+            "(killed or hung?); stopping"
+        ), stderr
+    finally:
+        for process in processes:
+            process.kill()
+            process.communicate()
