@@ -89,15 +89,15 @@ def _parse_norm_type(text: str) -> float:
 
 
 @contextmanager
-def _progress(snapshot: Snapshot, show: bool = True) -> Iterator[Callable[[RankFile], None] | None]:
-    """A progress bar on stderr while rank files are read, when stderr is a terminal."""
+def _progress(files: int, show: bool = True) -> Iterator[Callable[[RankFile], None] | None]:
+    """A progress bar on stderr while ``files`` rank files are read, when stderr is a terminal."""
     if not show or not sys.stderr.isatty():
         yield None
         return
     from rich.progress import Progress
 
     with Progress(console=Console(stderr=True), transient=True) as progress:
-        task = progress.add_task("reading rank files", total=len(snapshot.files))
+        task = progress.add_task("reading rank files", total=files)
         yield lambda _: progress.advance(task)
 
 
@@ -119,7 +119,8 @@ def _statistics(
     with _user_errors(), process_group(timeout) as place:
         snapshot = Snapshot.open(snapshot_dir)
         request = Request.make(norm_types, zeros, pick_device(device))
-        with _progress(snapshot, place.is_first) as on_file:
+        share = len(snapshot.files[place.rank :: place.size])
+        with _progress(share, place.is_first) as on_file:
             pieces = gather_pieces(snapshot, request, place, on_file)
         return snapshot, merge(pieces, request), place.is_first
 
@@ -252,7 +253,7 @@ def clip(
                 f"--allow-nonfinite writes it anyway)"
             )
         coefficient = clip_coefficient(max_norm, total)
-        with _progress(snapshot) as on_file:
+        with _progress(len(snapshot.files)) as on_file:
             write_clipped(snapshot, out, coefficient, on_file)
     report = ClipReport(str(snapshot_dir), str(out), p, max_norm, total, coefficient)
     _emit(as_json, report.to_json(), lambda console: print_clip(console, report))
