@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import kernels
+from . import kernels, native
 from .clip_grads import check_norm_type, grads_for_norm
 from .predicates import gtp_pad_zero_count
 from .snapshot import RankFile, RebuiltParam, Snapshot
@@ -183,14 +183,35 @@ def _piece(rank_file: RankFile, param: RebuiltParam, request: Request) -> Piece:
     if grad.device != request.device:
         grad = param.grad = grad.to(request.device)
     device = request.device
-    power_sums = tuple(float(kernels.power_sum([grad], p, device)) for p in request.finite)
-    max_abs = float(kernels.abs_max([grad], device)) if request.with_inf else None
+    # fp32 on CPU: the L2 power sum, max |x| and the zero count from one native pass.
+    wants_fused = request.zeros or request.with_inf or 2.0 in request.finite
+    fused = native.fused_f32(grad) if wants_fused else None
+
+    def power_sum(p: float) -> float:
+        if p == 2 and fused is not None:
+            value = fused.sum_squares
+            if math.isfinite(value) and not 0.0 < value < kernels.UNDERFLOW_GUARD:
+                return value
+        return float(kernels.power_sum([grad], p, device))
+
+    power_sums = tuple(power_sum(p) for p in request.finite)
+    max_abs = None
+    if request.with_inf:
+        if fused is None:
+            max_abs = float(kernels.abs_max([grad], device))
+        else:
+            max_abs = math.nan if fused.has_nan else fused.max_abs
     pad = gtp_pad_zero_count(param, grad)
     zeros = 0
     if request.zeros:
         # count_zeros_fp32 without its reduction: this runs per tensor, also under a launcher
         # whose processes hold different numbers of tensors (``counts`` applied the filters).
-        zeros = grad.numel() - pad - int(kernels.nonzero_count([grad], device))
+        found = (
+            fused.zeros
+            if fused is not None
+            else grad.numel() - int(kernels.nonzero_count([grad], device))
+        )
+        zeros = found - pad
     partials = (*power_sums, *(() if max_abs is None else (max_abs,)))
     nonfinite = None
     # NaN and Inf propagate into every norm: only a non-finite partial needs the extra passes.

@@ -1,0 +1,95 @@
+"""The native one-pass kernel against float64, and gradstat without it."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradstat import native
+from tests._oracle import float64_norm, rel_err, zeros_in
+
+SAMPLE = Path(__file__).resolve().parent.parent / "sample_data" / "gtp2-pp2-dp2-ep2"
+
+
+def test_the_kernel_builds_where_there_is_a_compiler() -> None:
+    if shutil.which(os.environ.get("CC") or "cc") is None:
+        assert native.native_kernel() is None
+    else:
+        assert native.native_kernel() is not None
+
+
+needs_kernel = pytest.mark.skipif(native.native_kernel() is None, reason="no C compiler here")
+
+
+@needs_kernel
+@pytest.mark.parametrize("size", [1, 15, 16, 17, 511, 512, 513, 4099, 1_000_003])
+def test_fused_statistics_match_float64(size: int) -> None:
+    gen = torch.Generator().manual_seed(size)
+    grad = torch.randn(size, generator=gen)
+    grad[::3] = 0.0
+    grad[1::7] = -0.0
+    stats = native.fused_f32(grad)
+    assert stats is not None
+    assert stats.zeros == zeros_in([grad])
+    assert stats.max_abs == float64_norm([grad], math.inf)
+    assert not stats.has_nan
+    expected = float64_norm([grad], 2) ** 2
+    assert (
+        stats.sum_squares == 0.0 if expected == 0 else rel_err(stats.sum_squares, expected) < 1e-6
+    )
+
+
+@needs_kernel
+def test_nan_inf_and_non_contiguous() -> None:
+    grad = torch.randn(64, 100)[:, ::3]
+    assert not grad.is_contiguous()
+    stats = native.fused_f32(grad)
+    assert stats is not None
+    assert rel_err(stats.sum_squares, float64_norm([grad], 2) ** 2) < 1e-6
+    grad = torch.ones(1000)
+    grad[10], grad[500] = math.nan, -math.inf
+    stats = native.fused_f32(grad)
+    assert stats is not None and stats.has_nan and stats.max_abs == math.inf
+
+
+def test_other_dtypes_and_devices_are_not_for_the_kernel() -> None:
+    assert native.fused_f32(torch.ones(3, dtype=torch.bfloat16)) is None
+    assert native.fused_f32(torch.ones(3, dtype=torch.float64)) is None
+
+
+def test_without_the_kernel_the_numbers_agree(tmp_path: Path) -> None:
+    reports = {}
+    for setting in ("1", "0"):
+        environment = {**os.environ, "GRADSTAT_NATIVE": setting, "GRADSTAT_CACHE": str(tmp_path)}
+        result = subprocess.run(
+            [sys.executable, "-m", "gradstat", "norm", str(SAMPLE), "--json", "-p", "inf"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+            env=environment,
+        )
+        assert result.returncode == 0, result.stderr
+        reports[setting] = json.loads(result.stdout)
+    assert reports["1"]["total_norm"] == reports["0"]["total_norm"]
+    zeros = {}
+    for setting in ("1", "0"):
+        environment = {**os.environ, "GRADSTAT_NATIVE": setting, "GRADSTAT_CACHE": str(tmp_path)}
+        result = subprocess.run(
+            [sys.executable, "-m", "gradstat", "zeros", str(SAMPLE), "--json"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+            env=environment,
+        )
+        zeros[setting] = json.loads(result.stdout)["num_zeros"]
+    assert zeros["1"] == zeros["0"] == 1376
