@@ -2,7 +2,7 @@
 
 PyTorch has no fused reduction for these, and its ``count_nonzero`` alone costs twice a sum.
 The C source ships with gradstat and is compiled on first use with the machine's C compiler
-(``$CC``, else ``cc``; -O3 -march=native -fopenmp), into a cache keyed by the source and flags
+(``$CC``, else ``cc``; -O3 -march=native -pthread), into a cache keyed by the source and flags
 (``$GRADSTAT_CACHE``, else ``~/.cache/gradstat``). Without a compiler, or with
 ``GRADSTAT_NATIVE=0``, :func:`fused_f32` is None and gradstat uses PyTorch operations.
 """
@@ -26,7 +26,7 @@ import torch
 __all__ = ["FusedStats", "fused_f32", "native_kernel"]
 
 _SOURCE = Path(__file__).with_name("_fused.c")
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+_FLAGS = ("-O3", "-march=native", "-pthread", "-shared", "-fPIC")
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def native_kernel() -> Any:
         function = ctypes.CDLL(str(target)).gradstat_fused_f32
     except (OSError, subprocess.SubprocessError):
         return None
-    function.restype = None
+    function.restype = ctypes.c_int32
     function.argtypes = [
         ctypes.c_void_p,
         ctypes.c_int64,
@@ -112,7 +112,7 @@ def fused_f32(grad: torch.Tensor) -> FusedStats | None:
     flat = grad.contiguous()
     sum_squares, zeros = ctypes.c_double(), ctypes.c_int64()
     max_abs, has_nan = ctypes.c_float(), ctypes.c_int32()
-    function(
+    status = function(
         flat.data_ptr(),
         flat.numel(),
         torch.get_num_threads(),
@@ -121,4 +121,6 @@ def fused_f32(grad: torch.Tensor) -> FusedStats | None:
         ctypes.byref(max_abs),
         ctypes.byref(has_nan),
     )
+    if status != 0:
+        return None  # out of memory for the per-chunk sums: let PyTorch do it
     return FusedStats(sum_squares.value, zeros.value, max_abs.value, bool(has_nan.value))

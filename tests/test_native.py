@@ -93,3 +93,18 @@ def test_without_the_kernel_the_numbers_agree(tmp_path: Path) -> None:
         )
         zeros[setting] = json.loads(result.stdout)["num_zeros"]
     assert zeros["1"] == zeros["0"] == 1376
+
+
+@needs_kernel
+def test_result_does_not_depend_on_the_thread_count() -> None:
+    """Under torchrun each process may run another number of threads: bitwise equal sums."""
+    grad = torch.randn(3_000_017, generator=torch.Generator().manual_seed(5))
+    before = torch.get_num_threads()
+    try:
+        results = set()
+        for threads in (1, 2, 3, 7):
+            torch.set_num_threads(threads)
+            results.add(native.fused_f32(grad))
+    finally:
+        torch.set_num_threads(before)
+    assert len(results) == 1
