@@ -1,31 +1,20 @@
 /* gradstat's one native kernel: the statistics of an fp32 gradient in a single pass.
  *
  * Compiled on first use by gradstat/native.py with the machine's C compiler (-O3 -march=native
- * -pthread) and cached; without a compiler gradstat uses PyTorch operations instead.
+ * -fopenmp) and cached; without a compiler gradstat uses PyTorch operations instead.
  *
  * The result does not depend on the number of threads: every chunk of CHUNK elements is summed
- * in order into its own double, and the chunks are added in order at the end. Plain threads,
- * not OpenMP: a second OpenMP runtime beside PyTorch's would spin and slow PyTorch down.
+ * in order into its own double, and the chunks are added in order at the end. native.py loads
+ * this OpenMP runtime with a passive wait policy, so that its idle threads sleep instead of
+ * spinning on the cores PyTorch's threads need.
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 
 #define BLOCK 512      /* elements per fp32 partial sum, as in kernels.ROW */
 #define LANES 16       /* independent accumulators per block, so the loop vectorizes */
 #define CHUNK 32768    /* elements per double partial, the unit of work of a thread */
-#define MAX_THREADS 256
-
-typedef struct {
-    const float *x;
-    int64_t n, first_chunk, end_chunk;
-    double *chunk_sums;
-    int64_t zeros;
-    float peak;
-    int32_t nan_seen;
-} Work;
-
 static void block_stats(const float *p, int64_t len, float *squares_out, int32_t *zeros_out,
                         float *peak_out, int32_t *nan_out) {
     float squares[LANES] = {0}, largest[LANES] = {0};
@@ -61,27 +50,6 @@ static void block_stats(const float *p, int64_t len, float *squares_out, int32_t
     *nan_out = q;
 }
 
-static void *run(void *arg) {
-    Work *work = (Work *)arg;
-    for (int64_t chunk = work->first_chunk; chunk < work->end_chunk; chunk++) {
-        const int64_t start = chunk * CHUNK;
-        const int64_t end = start + CHUNK < work->n ? start + CHUNK : work->n;
-        double sum = 0.0;
-        for (int64_t begin = start; begin < end; begin += BLOCK) {
-            const int64_t len = begin + BLOCK < end ? BLOCK : end - begin;
-            float squares, peak;
-            int32_t zeros, nan_seen;
-            block_stats(work->x + begin, len, &squares, &zeros, &peak, &nan_seen);
-            sum += (double)squares;
-            work->zeros += zeros;
-            work->peak = peak > work->peak ? peak : work->peak;
-            work->nan_seen |= nan_seen;
-        }
-        work->chunk_sums[chunk] = sum;
-    }
-    return NULL;
-}
-
 /* Over n floats: the sum of squares, the number of elements equal to zero (-0.0 included),
  * max |x| ignoring NaN, and whether any element is NaN. Returns 0, or -1 if out of memory. */
 int32_t gradstat_fused_f32(const float *x, int64_t n, int32_t threads, double *sum_squares,
@@ -89,29 +57,28 @@ int32_t gradstat_fused_f32(const float *x, int64_t n, int32_t threads, double *s
     const int64_t chunks = (n + CHUNK - 1) / CHUNK;
     double *chunk_sums = calloc(chunks > 0 ? chunks : 1, sizeof(double));
     if (chunk_sums == NULL) return -1;
-    if (threads < 1) threads = 1;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads > chunks) threads = chunks > 0 ? (int32_t)chunks : 1;
-    Work work[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    for (int32_t t = 0; t < threads; t++) {
-        work[t] = (Work){x, n, chunks * t / threads, chunks * (t + 1) / threads, chunk_sums, 0, 0.0f, 0};
-        /* The caller's thread takes the last share; a thread that cannot start runs inline. */
-        if (t < threads - 1 && pthread_create(&ids[t], NULL, run, &work[t]) == 0) started[t] = 1;
-    }
-    for (int32_t t = 0; t < threads; t++)
-        if (!started[t]) run(&work[t]);
-    double total = 0.0;
     int64_t zero_count = 0;
     float peak = 0.0f;
     int32_t nan_seen = 0;
-    for (int32_t t = 0; t < threads; t++) {
-        if (started[t]) pthread_join(ids[t], NULL);
-        zero_count += work[t].zeros;
-        peak = work[t].peak > peak ? work[t].peak : peak;
-        nan_seen |= work[t].nan_seen;
+#pragma omp parallel for num_threads(threads < 1 ? 1 : threads) schedule(static) \
+    reduction(+ : zero_count) reduction(max : peak) reduction(| : nan_seen)
+    for (int64_t chunk = 0; chunk < chunks; chunk++) {
+        const int64_t start = chunk * CHUNK;
+        const int64_t end = start + CHUNK < n ? start + CHUNK : n;
+        double sum = 0.0;
+        for (int64_t begin = start; begin < end; begin += BLOCK) {
+            const int64_t len = begin + BLOCK < end ? BLOCK : end - begin;
+            float squares, block_peak;
+            int32_t block_zeros, block_nan;
+            block_stats(x + begin, len, &squares, &block_zeros, &block_peak, &block_nan);
+            sum += (double)squares;
+            zero_count += block_zeros;
+            peak = block_peak > peak ? block_peak : peak;
+            nan_seen |= block_nan;
+        }
+        chunk_sums[chunk] = sum;
     }
+    double total = 0.0;
     for (int64_t chunk = 0; chunk < chunks; chunk++) total += chunk_sums[chunk];
     free(chunk_sums);
     *sum_squares = total;
