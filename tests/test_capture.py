@@ -47,7 +47,7 @@ def test_single_process_module_defaults(tmp_path: Path) -> None:
     ]
     stats = snapshot_stats(Snapshot.open(tmp_path))
     grads = [param.grad for param in model.parameters()]
-    assert math.isclose(stats.norm(2), float64_norm(grads, 2), rel_tol=1e-9)
+    assert math.isclose(stats.norm(2), float64_norm(grads, 2), rel_tol=1e-6)
 
 
 def test_main_grad_is_preferred_when_present(tmp_path: Path) -> None:
@@ -168,6 +168,6 @@ def test_fsdp2_dtensor_gradients_count_once(tmp_path: Path) -> None:
     assert placements == {"w": ("S(0)",), "b": ("R",)}
     stats = snapshot_stats(snapshot, (2.0, 1.0))
     full = list(_full_tensors().values())
-    assert math.isclose(stats.norm(2), float64_norm(full, 2), rel_tol=1e-9)
-    assert math.isclose(stats.norm(1), float64_norm(full, 1), rel_tol=1e-9)
+    assert math.isclose(stats.norm(2), float64_norm(full, 2), rel_tol=1e-6)
+    assert math.isclose(stats.norm(1), float64_norm(full, 1), rel_tol=1e-6)
     assert stats.zeros == zeros_in(full)
