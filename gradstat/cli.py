@@ -119,8 +119,7 @@ def _statistics(
     with _user_errors(), process_group(timeout) as place:
         snapshot = Snapshot.open(snapshot_dir)
         request = Request.make(norm_types, zeros, pick_device(device))
-        share = len(snapshot.files[place.rank :: place.size])
-        with _progress(share, place.is_first) as on_file:
+        with _progress(len(place.share(snapshot.files)), place.is_first) as on_file:
             pieces = gather_pieces(snapshot, request, place, on_file)
         return snapshot, merge(pieces, request), place.is_first
 
@@ -236,11 +235,10 @@ def clip(
     from .clip_grads import clip_coefficient
     from .render import print_clip
     from .report import ClipReport
-    from .snapshot import Snapshot
     from .snapshot.clip import check_output_dir, write_clipped
 
     with _user_errors():
-        check_output_dir(Snapshot.open(snapshot_dir), out)
+        check_output_dir(snapshot_dir, out)
     snapshot, stats, prints = _statistics(snapshot_dir, (p,), False, device, timeout)
     if not prints:
         return  # rank 0 alone writes the copy

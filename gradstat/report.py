@@ -97,8 +97,10 @@ class NormReport:
 
 
 def _share(norm: float, total: float, norm_type: float) -> float:
-    if not (math.isfinite(norm) and math.isfinite(total)) or total == 0:
-        return math.nan if not math.isfinite(norm) or not math.isfinite(total) else 0.0
+    if not (math.isfinite(norm) and math.isfinite(total)):
+        return math.nan
+    if total == 0:
+        return 0.0
     return norm / total if norm_type == math.inf else (norm / total) ** norm_type
 
 

@@ -13,11 +13,11 @@ import ctypes
 import json
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,8 @@ import torch.distributed as dist
 from .analysis import NonFinite, Piece, Request, snapshot_pieces
 from .errors import GradstatError
 from .snapshot import RankFile, Snapshot
+
+T = TypeVar("T")
 
 __all__ = ["Place", "gather_pieces", "launched", "pick_device", "process_group"]
 
@@ -45,6 +47,10 @@ class Place:
     @property
     def is_first(self) -> bool:
         return self.rank == 0
+
+    def share(self, items: Sequence[T]) -> list[T]:
+        """This process's share of ``items``: items rank, rank + size, ..."""
+        return list(items[self.rank :: self.size])
 
 
 @contextmanager
@@ -106,7 +112,7 @@ def gather_pieces(
     Raises:
         GradstatError: any process's error (the first, by process rank), on every process.
     """
-    mine = [rank_file.rank for rank_file in snapshot.files][place.rank :: place.size]
+    mine = [rank_file.rank for rank_file in place.share(snapshot.files)]
     if place.size == 1:
         return snapshot_pieces(snapshot, request, mine, on_file)
     heartbeat = _Heartbeat(place)

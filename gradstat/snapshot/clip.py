@@ -18,13 +18,13 @@ from .writer import default_mode
 __all__ = ["check_output_dir", "write_clipped"]
 
 
-def check_output_dir(snapshot: Snapshot, out: Path) -> None:
+def check_output_dir(source_dir: Path, out: Path) -> None:
     """Refuse an output that exists with content, or that is (inside) the input snapshot.
 
     Raises:
         SnapshotError: naming the directory and the problem.
     """
-    source = snapshot.directory.resolve()
+    source = source_dir.resolve()
     target = out.resolve()
     if target == source or source in target.parents:
         raise SnapshotError(f"{out}: the output must not be the input snapshot or inside it")
@@ -59,7 +59,7 @@ def write_clipped(
     Raises:
         SnapshotError: an unusable ``out`` or a write failure, naming the path.
     """
-    check_output_dir(snapshot, out)
+    check_output_dir(snapshot.directory, out)
     parent = out.parent if str(out.parent) else Path(".")
     try:
         staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=parent))
