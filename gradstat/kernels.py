@@ -129,15 +129,14 @@ def _rows_power_sum(grads: Sequence[Tensor], p: int, device: torch.device) -> Te
 def _foreach_power_sum(grads: Sequence[Tensor], p: int, device: torch.device) -> Tensor:
     """Sum of |x|^p (p = 1 or 2) from one fused fp32 norm per tensor (CUDA's multi-tensor
     kernel reduces each tensor as a tree of short fp32 partials), combined in float64."""
-    norms: list[Tensor] = []
-    for wide in (False, True):
-        same = [grad for grad in grads if (grad.dtype == torch.float64) == wide and grad.numel()]
-        if same:
-            dtype = torch.float64 if wide else torch.float32
-            norms += torch._foreach_norm(same, p, dtype=dtype)
-    if not norms:
-        return torch.zeros((), dtype=torch.float64, device=device)
-    return torch.stack([norm.to(device, torch.float64) for norm in norms]).pow_(p).sum()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for same in _by_dtype_and_device([grad for grad in grads if grad.numel()]):
+        dtype = torch.float64 if same[0].dtype == torch.float64 else torch.float32
+        # One stack and one conversion per group: a conversion per tensor is a launch per
+        # tensor, which cost more than the norms themselves (3.5x PyTorch's time on an H200).
+        norms = torch.stack(torch._foreach_norm(same, p, dtype=dtype))
+        total += norms.to(device, torch.float64).pow_(p).sum()
+    return total
 
 
 def _fast_power_sum(grads: Sequence[Tensor], p: int, device: torch.device) -> Tensor:
@@ -184,16 +183,31 @@ def abs_max(grads: Sequence[Tensor], device: torch.device) -> Tensor:
 
     One aminmax pass per tensor: PyTorch's CPU inf-norm (abs, then max) is several times slower.
     """
-    peaks: list[Tensor] = []
     for grad in grads:
         check_dtype(grad)
-        if grad.numel() == 0:
-            continue
+    grads = [grad for grad in grads if grad.numel()]
+    if grads and all(grad.is_cuda for grad in grads):
+        # One multi-tensor launch (its max propagates NaN): a launch or four per tensor made
+        # the inf norm of a thousand CUDA tensors 12x slower than PyTorch's.
+        peaks = [
+            torch.stack(torch._foreach_norm(same, math.inf)).max().to(device, torch.float64)
+            for same in _by_dtype_and_device(grads)
+        ]
+        return torch.stack(peaks).max()
+    peaks: list[Tensor] = []
+    for grad in grads:
         low, high = torch.aminmax(grad.reshape(-1))
         peaks.append(torch.maximum(high, -low).to(device=device, dtype=torch.float64))
     if not peaks:
         return torch.zeros((), dtype=torch.float64, device=device)
     return torch.stack(peaks).max()
+
+
+def _by_dtype_and_device(grads: Sequence[Tensor]) -> list[list[Tensor]]:
+    groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for grad in grads:
+        groups.setdefault((grad.dtype, grad.device), []).append(grad)
+    return list(groups.values())
 
 
 def nonzero_count(grads: Sequence[Tensor], device: torch.device) -> Tensor:
