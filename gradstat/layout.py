@@ -22,7 +22,8 @@ Slicing rules (what Megatron does, reduced to what the statistics depend on):
 - Distributed optimizer: each rank holds 1-D fragments ``grad.view(-1)[start:end]`` of one
   flat buffer per category (dense, expert), params laid end to end in the given order and the
   buffer split into equal ranges over DP (EDP for experts). Fragments copy the attributes;
-  fragments of GTP shards are stamped with ``gtp_pad_zeros``.
+  fragments of GTP shards are stamped with ``gtp_pad_zeros``, and every fragment with its
+  ``fragment_offset`` and ``fragment_shape``.
 """
 
 from __future__ import annotations
@@ -56,7 +57,10 @@ Split = Literal["column", "row", "none"]
 
 # Attributes a distributed-optimizer fragment copies from its model param (its own
 # gtp_pad_zeros stamp is computed for its range).
-FRAGMENT_ATTRS = (*(key for key in PLAIN_ATTRS if key != "gtp_pad_zeros"), "group")
+FRAGMENT_ATTRS = (
+    *(key for key in PLAIN_ATTRS if not key.startswith(("gtp_pad_zeros", "fragment_"))),
+    "group",
+)
 
 
 class LayoutError(GradstatError, ValueError):
@@ -289,6 +293,7 @@ def _fragments(
         attrs = {key: getattr(param, key) for key in FRAGMENT_ATTRS if hasattr(param, key)}
         if getattr(param, "is_gtp_weight_remat", False):
             attrs["gtp_pad_zeros"] = gtp_local_pad_zero_count(param, start, end)
+        attrs.update(fragment_offset=start, fragment_shape=list(param.shape))
         assert param.grad is not None
         fragments.append((name, _param(param.grad.view(-1)[start:end], attrs)))
     return fragments

@@ -12,7 +12,10 @@ parameter's name. ``__metadata__["gradstat"]`` holds a JSON document (format ver
                  "param_shape": [...], "attrs": {...}, "dtensor": null | {...}}, ...]}
 
 ``attrs`` holds every attribute the statistics depend on (see ``ATTRIBUTE_DEFAULTS``);
-``gtp_group`` is the GTP group's ``[rank, size]``. ``dtensor`` records a DTensor gradient's
+``gtp_group`` is the GTP group's ``[rank, size]``. A distributed-optimizer fragment may say where
+it lies: ``fragment_offset`` (its first element in the flattened local parameter) and
+``fragment_shape`` (that parameter's shape); ``gradstat compare`` and ``audit`` need them to
+place fragments. ``dtensor`` records a DTensor gradient's
 mesh: ``{"mesh_shape": [...], "coordinate": [...], "placements": ["S(0)", "R"],
 "global_shape": [...]}``. A parameter whose gradient is None has ``"grad": false`` and no
 tensor in the file.
@@ -59,6 +62,8 @@ ATTRIBUTE_DEFAULTS: dict[str, Any] = {
     "pad_length": 0,
     "gtp_group": None,
     "gtp_pad_zeros": None,
+    "fragment_offset": None,
+    "fragment_shape": None,
     "fsdp_param": False,
 }
 
@@ -78,6 +83,8 @@ ATTRIBUTE_KINDS: dict[str, type] = {
     "pad_length": int,
     "gtp_group": list,
     "gtp_pad_zeros": int,
+    "fragment_offset": int,
+    "fragment_shape": list,
     "fsdp_param": bool,
 }
 

@@ -168,6 +168,7 @@ def _check_tensors(path: Path, header: RankHeader, container: Container) -> None
                 f"{record.dtype}{list(record.shape)}"
             )
         _check_gtp(where, header, record)
+        _check_fragment(where, record)
 
 
 def _check_gtp(where: str, header: RankHeader, record: ParamRecord) -> None:
@@ -194,6 +195,21 @@ def _check_gtp(where: str, header: RankHeader, record: ParamRecord) -> None:
     if pad_zeros is not None and not 0 <= pad_zeros <= record.numel:
         raise SnapshotError(
             f"{where}: gtp_pad_zeros {pad_zeros} is outside its {record.numel} elements"
+        )
+
+
+def _check_fragment(where: str, record: ParamRecord) -> None:
+    offset, shape = record.attr("fragment_offset"), record.attr("fragment_shape")
+    if offset is None and shape is None:
+        return
+    if offset is None or shape is None:
+        raise SnapshotError(f"{where}: fragment_offset and fragment_shape come together")
+    if not all(type(size) is int and size >= 0 for size in shape):
+        raise SnapshotError(f"{where}: fragment_shape {shape!r} is not a list of sizes")
+    if len(record.shape) != 1 or not 0 <= offset <= math.prod(shape) - record.numel:
+        raise SnapshotError(
+            f"{where}: a fragment of {record.numel} elements at offset {offset} does not fit "
+            f"in a parameter of shape {shape}"
         )
 
 

@@ -14,6 +14,7 @@ from ..errors import SnapshotError
 from ..groups import group_rank, group_size
 from .container import write_container
 from .format import (
+    ATTRIBUTE_KINDS,
     AXES,
     DTYPE_NAMES,
     FILE_PATTERN,
@@ -74,8 +75,14 @@ def _record(name: str, param: Any, grad_attr: str) -> tuple[ParamRecord, torch.T
     attrs: dict[str, Any] = {}
     for key in PLAIN_ATTRS:
         value = getattr(param, key, None)
-        if value is not None:
-            attrs[key] = value if isinstance(value, bool) else int(value)
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            attrs[key] = value
+        elif ATTRIBUTE_KINDS[key] is list:
+            attrs[key] = [int(item) for item in value]
+        else:
+            attrs[key] = int(value)
     group = getattr(param, "group", None)
     if getattr(param, "is_gtp_weight_remat", False) and group is not None:
         attrs["gtp_group"] = [group_rank(group), group_size(group)]
