@@ -189,11 +189,11 @@ def abs_max(grads: Sequence[Tensor], device: torch.device) -> Tensor:
     if grads and all(grad.is_cuda for grad in grads):
         # One multi-tensor launch (its max propagates NaN): a launch or four per tensor made
         # the inf norm of a thousand CUDA tensors 12x slower than PyTorch's.
-        peaks = [
+        group_peaks = [
             torch.stack(torch._foreach_norm(same, math.inf)).max().to(device, torch.float64)
             for same in _by_dtype_and_device(grads)
         ]
-        return torch.stack(peaks).max()
+        return torch.stack(group_peaks).max()
     peaks: list[Tensor] = []
     for grad in grads:
         low, high = torch.aminmax(grad.reshape(-1))
