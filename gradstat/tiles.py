@@ -1,0 +1,300 @@
+"""Where each rank file's tensor lies in its logical parameter, and full tensors rebuilt from them.
+
+From a full gradient down to what one rank holds, Megatron's layouts compose in this order: TP
+(ETP for expert parameters) splits along ``partition_dim``; GTP (EGTP) pads dim 0 of the
+TP-local tensor with ``pad_length`` zero rows and splits it evenly; the distributed optimizer
+cuts the flattened TP/GTP-local tensor into fragments (``fragment_offset``, ``fragment_shape``).
+A :class:`Tile` is one rank file's tensor in those terms. :func:`plan` checks that the counted
+tiles of a parameter cover it exactly once; :func:`assemble` copies them into the full
+tensor, GTP padding stripped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from itertools import product
+from pathlib import Path
+from types import TracebackType
+
+import torch
+from torch import Tensor
+
+from .snapshot import RankFile, Snapshot
+from .snapshot.container import mapped
+from .snapshot.format import DTYPES, ParamRecord
+
+__all__ = [
+    "ROLES",
+    "MappedFiles",
+    "Plan",
+    "Tile",
+    "assemble",
+    "chunks",
+    "plan",
+    "snapshot_tiles",
+]
+
+# The roles of the parallel axes for a parameter, in the order a tile's site lists them.
+ROLES = ("pp", "ep", "tp", "gtp", "dp", "cp")
+_DENSE_AXES = {"pp": "pp", "ep": None, "tp": "tp", "gtp": "gtp", "dp": "dp", "cp": "cp"}
+_EXPERT_AXES = {"pp": "pp", "ep": "ep", "tp": "etp", "gtp": "egtp", "dp": "edp", "cp": None}
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One rank file's tensor of a parameter, and where it lies in the parameter."""
+
+    rank_file: RankFile
+    record: ParamRecord
+    counted: bool
+
+    @property
+    def name(self) -> str:
+        return self.record.name
+
+    @property
+    def rank(self) -> int:
+        return self.rank_file.rank
+
+    def axis(self, role: str) -> str | None:
+        """The axis playing ``role`` (tp, gtp, dp, ...) for this parameter: etp for experts."""
+        return (_EXPERT_AXES if self.record.is_expert else _DENSE_AXES)[role]
+
+    def place(self, role: str) -> tuple[int, int]:
+        """(rank, size) on the axis playing ``role``; (0, 1) where no axis does."""
+        axis = self.axis(role)
+        if role == "gtp" and self.record.attr("gtp_group") is not None:
+            rank, size = self.record.attr("gtp_group")
+            return rank, size
+        return (0, 1) if axis is None else self.rank_file.header.coords[axis]
+
+    def site(self, *skip: str) -> tuple[int, ...]:
+        """Coordinates on every role but ``skip``: tiles with equal sites are copies of each
+        other along the skipped roles."""
+        return tuple(self.place(role)[0] for role in ROLES if role not in skip)
+
+    @property
+    def tp_sharded(self) -> bool:
+        return bool(self.record.attr("tensor_model_parallel"))
+
+    @property
+    def gtp_sharded(self) -> bool:
+        return bool(self.record.attr("is_gtp_weight_remat"))
+
+    @property
+    def local_shape(self) -> tuple[int, ...] | None:
+        """Shape of the TP/GTP-local tensor this tile is (part of); None: a fragment that does
+        not say."""
+        shape = self.record.attr("fragment_shape")
+        if shape is not None:
+            return tuple(shape)
+        return None if self.rank_file.header.distributed_optimizer else self.record.shape
+
+    @property
+    def start(self) -> int | None:
+        """First element of the tile in the flattened local tensor; None when unknown."""
+        offset = self.record.attr("fragment_offset")
+        if offset is not None:
+            return int(offset)
+        return None if self.rank_file.header.distributed_optimizer else 0
+
+    @property
+    def stop(self) -> int | None:
+        return None if self.start is None else self.start + self.record.numel
+
+    def pad_range(self) -> tuple[int, int] | None:
+        """The GTP padding's flat element range in the local tensor (None: none, or unknown)."""
+        shape, pad_length = self.local_shape, int(self.record.attr("pad_length") or 0)
+        if not self.gtp_sharded or not pad_length or not shape:
+            return None
+        rows = shape[0]
+        gtp_rank, gtp_size = self.place("gtp")
+        first_pad_row = min(max(rows * gtp_size - pad_length - gtp_rank * rows, 0), rows)
+        row_numel = math.prod(shape[1:])
+        return (first_pad_row * row_numel, rows * row_numel) if first_pad_row < rows else None
+
+
+def snapshot_tiles(snapshot: Snapshot) -> dict[str, list[Tile]]:
+    """Every tensor of the snapshot as a tile, by parameter name (first-seen order), rank order."""
+    from .analysis import counts
+
+    tiles: dict[str, list[Tile]] = {}
+    for rank_file in snapshot.files:
+        # Mapping reads no gradient: the filters look at attributes, coordinates and shapes.
+        with rank_file.params() as params:
+            for param in params:
+                if param.record.has_grad:
+                    tile = Tile(rank_file, param.record, counts(rank_file, param))
+                    tiles.setdefault(param.name, []).append(tile)
+    return tiles
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How the counted tiles of a parameter make up its full tensor."""
+
+    name: str
+    tiles: tuple[Tile, ...]
+    local_shape: tuple[int, ...]
+    tp_size: int
+    partition_dim: int
+    gtp_size: int
+    pad_length: int
+    dtype: torch.dtype
+
+    @property
+    def local_rows(self) -> int:
+        """Rows of the TP-local tensor once GTP padding is stripped."""
+        if self.gtp_size == 1 and not self.pad_length:
+            return self.local_shape[0] if self.local_shape else 1
+        return self.local_shape[0] * self.gtp_size - self.pad_length
+
+    @property
+    def tp_local_shape(self) -> tuple[int, ...]:
+        if not self.local_shape:
+            return ()
+        return (self.local_rows, *self.local_shape[1:])
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        shape = list(self.tp_local_shape)
+        if self.tp_size > 1:
+            shape[self.partition_dim] *= self.tp_size
+        return tuple(shape)
+
+
+_LAYOUT_ATTRS = (
+    "tensor_model_parallel",
+    "partition_dim",
+    "partition_stride",
+    "is_gtp_weight_remat",
+    "pad_length",
+)
+
+
+def plan(name: str, tiles: Sequence[Tile]) -> Plan | str:
+    """The plan that rebuilds ``name`` from its counted ``tiles``, or why there is none."""
+    counted = [tile for tile in tiles if tile.counted]
+    if not counted:
+        return "no counted tensor"
+    first = counted[0]
+    for tile in counted:
+        if tile.record.dtensor is not None or tile.record.attr("fsdp_param"):
+            return "DTensor and FSDP shards are not placed"
+        if tile.start is None:
+            return "fragments without fragment_offset/fragment_shape cannot be placed"
+        if any(tile.record.attr(key) != first.record.attr(key) for key in _LAYOUT_ATTRS):
+            return f"its attributes differ between rank {first.rank} and rank {tile.rank}"
+        if tile.local_shape != first.local_shape:
+            return f"its shape differs between rank {first.rank} and rank {tile.rank}"
+    local_shape = first.local_shape
+    assert local_shape is not None  # a known start comes with a known shape
+    tp_size = first.place("tp")[1] if first.tp_sharded else 1
+    partition_dim = int(first.record.attr("partition_dim"))
+    if tp_size > 1 and not 0 <= partition_dim < len(local_shape):
+        return f"partition_dim {partition_dim} is outside its {len(local_shape)} dimensions"
+    if first.record.attr("partition_stride") != 1 and tp_size > 1:
+        return "strided TP partitions are not placed"
+    gtp_size = first.place("gtp")[1] if first.gtp_sharded else 1
+    pad_length = int(first.record.attr("pad_length") or 0) if first.gtp_sharded else 0
+    if (gtp_size > 1 or pad_length) and not local_shape:
+        return "a 0-dim GTP shard has no rows"
+    by_site: dict[tuple[int, int], list[Tile]] = defaultdict(list)
+    for tile in counted:
+        by_site[_shard(tile, tp_size, gtp_size)].append(tile)
+    numel = math.prod(local_shape)
+    for tp_rank, gtp_rank in product(range(tp_size), range(gtp_size)):
+        covered = 0
+        for tile in sorted(by_site.get((tp_rank, gtp_rank), []), key=lambda tile: tile.start or 0):
+            if tile.start != covered:
+                problem = "overlap" if (tile.start or 0) < covered else "gap"
+                return f"its tiles {problem} at element {covered} of TP {tp_rank} GTP {gtp_rank}"
+            covered = tile.stop or 0
+        if covered != numel:
+            return f"elements {covered}..{numel} of TP {tp_rank} GTP {gtp_rank} are missing"
+    dtypes = {tile.record.dtype for tile in counted}
+    if "float64" in dtypes:
+        dtype = torch.float64
+    elif len(dtypes) == 1:
+        dtype = DTYPES[str(first.record.dtype)][0]
+    else:
+        dtype = torch.float32
+    return Plan(
+        name=name,
+        tiles=tuple(counted),
+        local_shape=local_shape,
+        tp_size=tp_size,
+        partition_dim=partition_dim,
+        gtp_size=gtp_size,
+        pad_length=pad_length,
+        dtype=dtype,
+    )
+
+
+def _shard(tile: Tile, tp_size: int, gtp_size: int) -> tuple[int, int]:
+    """Which TP/GTP-local tensor the tile belongs to: (TP rank, GTP rank), 0 where unsplit."""
+    return (tile.place("tp")[0] if tp_size > 1 else 0, tile.place("gtp")[0] if gtp_size > 1 else 0)
+
+
+class MappedFiles:
+    """Rank files mapped on first use and kept mapped until the ``with`` block ends."""
+
+    def __init__(self) -> None:
+        self._stack = ExitStack()
+        self._maps: dict[Path, dict[str, Tensor]] = {}
+
+    def tensor(self, tile: Tile) -> Tensor:
+        """The tile's tensor, read-only, flattened."""
+        tensors = self._maps.get(tile.rank_file.path)
+        if tensors is None:
+            tensors = self._stack.enter_context(mapped(tile.rank_file.container))
+            self._maps[tile.rank_file.path] = tensors
+        return tensors[tile.name].reshape(-1)
+
+    def __enter__(self) -> MappedFiles:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        self._maps.clear()
+        self._stack.close()
+
+
+def assemble(layout: Plan, files: MappedFiles) -> Tensor:
+    """The parameter's full gradient, rebuilt from its tiles (GTP padding stripped)."""
+    full = torch.empty(layout.full_shape, dtype=layout.dtype)
+    numel = math.prod(layout.local_shape)
+    if not numel:
+        return full
+    by_tp: dict[int, list[Tile]] = defaultdict(list)
+    for tile in layout.tiles:
+        by_tp[_shard(tile, layout.tp_size, layout.gtp_size)[0]].append(tile)
+    for tp_rank, tiles in sorted(by_tp.items()):
+        padded = torch.empty(layout.gtp_size * numel, dtype=layout.dtype)
+        for tile in tiles:
+            base = _shard(tile, layout.tp_size, layout.gtp_size)[1] * numel
+            assert tile.start is not None and tile.stop is not None
+            padded[base + tile.start : base + tile.stop].copy_(files.tensor(tile))
+        rows = layout.gtp_size * layout.local_shape[0] if layout.local_shape else 1
+        local = padded.view(rows, -1)[: layout.local_rows].reshape(layout.tp_local_shape)
+        if layout.tp_size == 1:
+            full.copy_(local)
+        else:
+            size = layout.tp_local_shape[layout.partition_dim]
+            full.narrow(layout.partition_dim, tp_rank * size, size).copy_(local)
+    return full
+
+
+def chunks(*tensors: Tensor, size: int = 1 << 22) -> Iterator[tuple[Tensor, ...]]:
+    """Matching slices of flat tensors, ``size`` elements at a time."""
+    total = tensors[0].numel()
+    for start in range(0, total, size):
+        yield tuple(tensor[start : start + size] for tensor in tensors)
