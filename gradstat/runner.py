@@ -28,7 +28,7 @@ from .snapshot import RankFile, Snapshot
 
 T = TypeVar("T")
 
-__all__ = ["Place", "gather_pieces", "launched", "pick_device", "process_group"]
+__all__ = ["Place", "gather_jobs", "gather_pieces", "launched", "pick_device", "process_group"]
 
 
 def launched() -> bool:
@@ -115,11 +115,62 @@ def gather_pieces(
     mine = [rank_file.rank for rank_file in place.share(snapshot.files)]
     if place.size == 1:
         return snapshot_pieces(snapshot, request, mine, on_file)
+
+    def compute(beat: Callable[[], None]) -> list[dict[str, Any]]:
+        def after_file(rank_file: RankFile) -> None:
+            beat()
+            if on_file is not None:
+                on_file(rank_file)
+
+        return [asdict(piece) for piece in snapshot_pieces(snapshot, request, mine, after_file)]
+
+    pieces = [_piece_from(data) for share in _gathered(place, compute) for data in share]
+    # Stable: each file's pieces stay in their order, files come in rank order.
+    pieces.sort(key=lambda piece: piece.rank)
+    return pieces
+
+
+def gather_jobs(place: Place, jobs: Sequence[T], work: Callable[[T], Any]) -> list[Any]:
+    """``work(job)`` for every job, the jobs split over the processes (i, i+N, ...).
+
+    ``work`` returns JSON data; every result comes back through JSON, in one process too, so
+    that the results are the same objects however the jobs were split.
+
+    Returns:
+        The results in job order, on every process.
+
+    Raises:
+        GradstatError: any process's error (the first, by process rank), on every process.
+    """
+    mine = place.share(range(len(jobs)))
+
+    def compute(beat: Callable[[], None]) -> list[list[Any]]:
+        done = []
+        for index in mine:
+            done.append([index, work(jobs[index])])
+            beat()
+        return done
+
+    if place.size == 1:
+        shares = [json.loads(json.dumps(compute(lambda: None)))]
+    else:
+        shares = _gathered(place, compute)
+    results: list[Any] = [None] * len(jobs)
+    for share in shares:
+        for index, result in share:
+            results[index] = result
+    return results
+
+
+def _gathered(place: Place, compute: Callable[[Callable[[], None]], Any]) -> list[Any]:
+    """Every process's ``compute(beat)`` (JSON data), in process order, on every process.
+
+    ``beat`` tells the other processes this one is still making progress.
+    """
     heartbeat = _Heartbeat(place)
     payload: dict[str, Any]
     try:
-        share = snapshot_pieces(snapshot, request, mine, heartbeat.beat_after(on_file))
-        payload = {"ok": [asdict(piece) for piece in share]}
+        payload = {"ok": compute(heartbeat.beat)}
     except GradstatError as error:
         payload = {"error": str(error)}
     heartbeat.finish()
@@ -133,37 +184,31 @@ def gather_pieces(
     errors = [share["error"] for share in gathered if "error" in share]
     if errors:
         raise GradstatError(errors[0])
-    pieces = [_piece_from(data) for share in gathered for data in share["ok"]]
-    # Stable: each file's pieces stay in their order, files come in rank order.
-    pieces.sort(key=lambda piece: piece.rank)
-    return pieces
+    return [share["ok"] for share in gathered]
 
 
 class _Heartbeat:
     """Progress of every process in the launcher's key-value store, to name a lost one.
 
-    Each process counts the rank files it has finished; a process whose count has not moved for
-    ``timeout_s`` seconds and that has not finished is declared lost, by every other process.
+    Each process counts the work it has finished (rank files, jobs); a process whose count has
+    not moved for ``timeout_s`` seconds and that has not finished is declared lost, by every
+    other process.
     """
 
     def __init__(self, place: Place) -> None:
         self.place = place
         self.store = dist.distributed_c10d._get_default_store()
-        self.files = 0
+        self.done = 0
         self.store.set(self._key("progress", place.rank), "0")
 
     @staticmethod
     def _key(kind: str, rank: int) -> str:
         return f"gradstat/{kind}/{rank}"
 
-    def beat_after(self, on_file: Callable[[RankFile], None] | None) -> Callable[[RankFile], None]:
-        def beat(rank_file: RankFile) -> None:
-            self.files += 1
-            self.store.set(self._key("progress", self.place.rank), str(self.files))
-            if on_file is not None:
-                on_file(rank_file)
-
-        return beat
+    def beat(self) -> None:
+        """One more unit of work done."""
+        self.done += 1
+        self.store.set(self._key("progress", self.place.rank), str(self.done))
 
     def finish(self) -> None:
         """Say this process is done, then wait for the others or name the ones lost.
