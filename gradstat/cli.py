@@ -4,7 +4,8 @@ Importing this module must stay cheap: torch is imported only by the commands th
 ``gradstat --help`` and ``gradstat --version`` answer at once. stdout carries results only (a
 table, or exactly one JSON document with ``--json``); errors are one line on stderr.
 
-Exit status: 0 fine, 1 findings (non-finite gradients), 2 bad input or usage.
+Exit status: 0 fine, 1 findings (non-finite gradients, compare mismatches, audit findings), 2
+bad input or usage.
 """
 
 from __future__ import annotations
@@ -255,6 +256,71 @@ def clip(
             write_clipped(snapshot, out, coefficient, on_file)
     report = ClipReport(str(snapshot_dir), str(out), p, max_norm, total, coefficient)
     _emit(as_json, report.to_json(), lambda console: print_clip(console, report))
+
+
+RtolOption = Annotated[float, typer.Option("--rtol", min=0.0, help="Relative tolerance.")]
+
+
+@app.command()
+def compare(
+    snapshot_a: Annotated[Path, typer.Argument(help="First snapshot directory (A).")],
+    snapshot_b: Annotated[Path, typer.Argument(help="Second snapshot directory (B).")],
+    rtol: RtolOption = 1e-5,
+    show_all: Annotated[
+        bool, typer.Option("--all", help="List every parameter, not only the flagged ones.")
+    ] = False,
+    as_json: JsonOption = False,
+    device: DeviceOption = "cpu",
+    timeout: TimeoutOption = 30.0,
+) -> None:
+    """Two snapshots of one model, parameter by parameter, whatever their layouts.
+
+    Norms, zeros and, where both sides can be rebuilt into full tensors, the largest
+    elementwise difference. Exit status 1 when anything is flagged.
+    """
+    from .compare import compare_snapshots
+    from .render import print_compare
+    from .runner import pick_device, process_group
+    from .snapshot import Snapshot
+
+    with _user_errors(), process_group(timeout) as place:
+        snapshots = Snapshot.open(snapshot_a), Snapshot.open(snapshot_b)
+        report = compare_snapshots(*snapshots, place, rtol, pick_device(device))
+        if not place.is_first:
+            return
+    _emit(as_json, report.to_json(), lambda console: print_compare(console, report, show_all))
+    if report.flagged:
+        raise typer.Exit(EXIT_FINDINGS)
+
+
+@app.command()
+def audit(
+    snapshot_dir: SnapshotArg,
+    rtol: RtolOption = 0.0,
+    as_json: JsonOption = False,
+    device: DeviceOption = "cpu",
+    timeout: TimeoutOption = 30.0,
+) -> None:
+    """Check the gradients against what their attributes promise.
+
+    Copies that must be equal (TP/ETP and GTP replicas, tied embeddings, data-parallel
+    replicas of a plain optimizer), GTP padding that must be zero, attributes that must agree
+    with each other and with the shapes. Each finding gives the global norm had it been counted
+    the other way. Copies are equal when max |a - b| <= rtol * max |x| (default: bitwise).
+    Exit status 1 when there is any finding.
+    """
+    from .audit import audit_snapshot
+    from .render import print_audit
+    from .runner import pick_device, process_group
+    from .snapshot import Snapshot
+
+    with _user_errors(), process_group(timeout) as place:
+        report = audit_snapshot(Snapshot.open(snapshot_dir), place, rtol, pick_device(device))
+        if not place.is_first:
+            return
+    _emit(as_json, report.to_json(), lambda console: print_audit(console, report))
+    if report.findings:
+        raise typer.Exit(EXIT_FINDINGS)
 
 
 @app.command()

@@ -3,13 +3,26 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .report import ClipReport, InspectReport, NormReport, SnapshotInfo, ZerosReport
 
-__all__ = ["print_clip", "print_inspect", "print_norm", "print_zeros"]
+if TYPE_CHECKING:
+    from .audit import AuditReport
+    from .compare import CompareReport
+
+__all__ = [
+    "print_audit",
+    "print_clip",
+    "print_compare",
+    "print_inspect",
+    "print_norm",
+    "print_zeros",
+]
 
 
 def _number(value: float, digits: int = 6) -> str:
@@ -134,3 +147,92 @@ def print_clip(console: Console, report: ClipReport) -> None:
         f"max_norm {report.max_norm:g}: gradients {action}"
     )
     console.print(f"wrote {report.out}")
+
+
+def _maybe(value: float | int | None, digits: int = 6) -> str:
+    if value is None:
+        return "-"
+    return str(value) if isinstance(value, int) else _number(value, digits)
+
+
+def print_compare(console: Console, report: CompareReport, show_all: bool = False) -> None:
+    for side, info in (("A", report.a), ("B", report.b)):
+        console.print(f"{side}: ", end="")
+        _header(console, info)
+    totals = Table(title=f"whole model (rtol {report.rtol:g})")
+    totals.add_column("measure")
+    for column in ("A", "B", "rel. diff"):
+        totals.add_column(column, justify="right")
+    for total in report.totals:
+        exact = total.measure.startswith("num_")
+        a, b = (str(int(x)) if exact else _number(x, 10) for x in (total.a, total.b))
+        diff = _number(total.rel_diff, 3)
+        totals.add_row(total.measure, a, b, f"[bold red]{diff}[/]" if total.flagged else diff)
+    console.print(totals)
+    rows = [param for param in report.params if show_all or param.flags]
+    scope = "all parameters" if show_all else "flagged parameters"
+    table = Table(title=f"{scope} ({len(report.mismatches)} of {len(report.params)} flagged)")
+    table.add_column("parameter", overflow="fold")
+    for column in ("L2 A", "L2 B", "rel. diff", "zeros A", "zeros B", "max |A-B|"):
+        table.add_column(column, justify="right")
+    table.add_column("flags")
+    for param in rows:
+        elementwise = _maybe(param.max_abs_diff)
+        if param.max_abs_diff is None and param.not_rebuilt:
+            elementwise = "[dim]n/a[/]"
+        flags = ", ".join(param.flags)
+        table.add_row(
+            escape(param.name),
+            _maybe(param.norm_a),
+            _maybe(param.norm_b),
+            _maybe(param.rel_diff, 3),
+            _maybe(param.zeros_a),
+            _maybe(param.zeros_b),
+            elementwise,
+            f"[bold red]{flags}[/]" if flags else "",
+        )
+    if rows:
+        console.print(table)
+    unplaced = [param for param in report.params if param.not_rebuilt]
+    if unplaced:
+        console.print(
+            f"[dim]{len(unplaced)} parameters not compared element by element "
+            f"(first: {escape(unplaced[0].name)}: {escape(unplaced[0].not_rebuilt or '')})[/]"
+        )
+    if report.flagged:
+        console.print(f"the snapshots [bold red]differ[/] beyond rtol {report.rtol:g}")
+    else:
+        console.print(f"the snapshots [bold green]agree[/] within rtol {report.rtol:g}")
+
+
+def print_audit(console: Console, report: AuditReport) -> None:
+    _header(console, report.snapshot)
+    console.print(
+        f"{report.params_checked} parameters checked; total L2 norm "
+        f"{_number(report.total_norm, 10)}"
+    )
+    if not report.findings:
+        console.print("[bold green]no findings[/]: every copy, padding row and attribute agrees")
+        return
+    table = Table(title=f"[bold red]{len(report.findings)} findings[/]")
+    table.add_column("finding")
+    table.add_column("parameter", overflow="fold")
+    table.add_column("ranks", overflow="fold")
+    for column in ("max |diff|", "norm if miscounted", "change"):
+        table.add_column(column, justify="right")
+    table.add_column("detail", overflow="fold")
+    for finding in report.findings:
+        ranks = ", ".join(str(rank) for rank in finding.ranks[:8])
+        if len(finding.ranks) > 8:
+            ranks += f" (+{len(finding.ranks) - 8})"
+        change = "-" if finding.norm_change is None else f"{finding.norm_change:+.3%}"
+        table.add_row(
+            finding.kind,
+            escape(finding.name),
+            ranks,
+            _maybe(finding.max_abs_diff, 4),
+            _maybe(finding.norm_if_miscounted, 8),
+            change,
+            escape(finding.detail),
+        )
+    console.print(table)

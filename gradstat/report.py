@@ -18,10 +18,13 @@ __all__ = [
     "ClipReport",
     "InspectReport",
     "NormReport",
+    "SnapshotInfo",
     "ZerosReport",
     "inspect_report",
     "json_number",
+    "jsonable",
     "norm_report",
+    "snapshot_info",
     "zeros_report",
 ]
 
@@ -33,13 +36,13 @@ def json_number(value: float) -> float | str:
     return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
 
 
-def _jsonable(data: Any) -> Any:
+def jsonable(data: Any) -> Any:
     if isinstance(data, float):
         return json_number(data)
     if isinstance(data, dict):
-        return {key: _jsonable(value) for key, value in data.items()}
+        return {key: jsonable(value) for key, value in data.items()}
     if isinstance(data, (list, tuple)):
-        return [_jsonable(value) for value in data]
+        return [jsonable(value) for value in data]
     return data
 
 
@@ -51,7 +54,7 @@ class SnapshotInfo:
     distributed_optimizer: bool
 
 
-def _info(snapshot: Snapshot) -> SnapshotInfo:
+def snapshot_info(snapshot: Snapshot) -> SnapshotInfo:
     return SnapshotInfo(
         str(snapshot.directory),
         snapshot.world_size,
@@ -93,7 +96,7 @@ class NormReport:
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["norm_type"] = json_number(self.norm_type)
-        return dict(_jsonable(data))
+        return dict(jsonable(data))
 
 
 def _share(norm: float, total: float, norm_type: float) -> float:
@@ -140,7 +143,7 @@ def norm_report(
     )
     clip_coeff = None if max_norm is None else max_norm / (total + 1.0e-6)
     return NormReport(
-        snapshot=_info(snapshot),
+        snapshot=snapshot_info(snapshot),
         norm_type=norm_type,
         total_norm=total,
         dense_norm=stats.norm(norm_type, expert=False),
@@ -168,7 +171,7 @@ class ClipReport:
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["clipped"] = self.clipped
-        return dict(_jsonable(data))
+        return dict(jsonable(data))
 
 
 @dataclass(frozen=True)
@@ -190,7 +193,7 @@ class ZerosReport:
     params: tuple[ParamZerosRow, ...]
 
     def to_json(self) -> dict[str, Any]:
-        return dict(_jsonable(asdict(self)))
+        return dict(jsonable(asdict(self)))
 
 
 def _sparsity(zeros: int, elements: int) -> float:
@@ -210,7 +213,7 @@ def zeros_report(snapshot: Snapshot, stats: SnapshotStats) -> ZerosReport:
         for param in stats.params
     )
     return ZerosReport(
-        snapshot=_info(snapshot),
+        snapshot=snapshot_info(snapshot),
         num_zeros=stats.zeros,
         num_elements=stats.numel,
         padding_excluded=stats.pad_zeros,
@@ -250,7 +253,7 @@ class InspectReport:
     params: tuple[ParamInspectRow, ...]
 
     def to_json(self) -> dict[str, Any]:
-        return dict(_jsonable(asdict(self)))
+        return dict(jsonable(asdict(self)))
 
 
 def inspect_report(snapshot: Snapshot) -> InspectReport:
@@ -289,7 +292,7 @@ def inspect_report(snapshot: Snapshot) -> InspectReport:
     files = tuple(FileRow(file.rank, str(file.path), file.size_bytes) for file in snapshot.files)
     first = snapshot.files[0].header
     return InspectReport(
-        snapshot=_info(snapshot),
+        snapshot=snapshot_info(snapshot),
         format_version=first.version,
         axes=snapshot.axis_sizes,
         files=files,

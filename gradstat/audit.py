@@ -1,0 +1,424 @@
+"""gradstat audit: check a snapshot's gradients against what their attributes promise.
+
+Megatron deduplicates by attributes: it counts a parameter that is not tensor-parallel once, on
+TP rank 0, trusting the copies on the other TP ranks to be equal; it skips the ``shared`` tied
+copy, trusting it to equal the original; with a plain optimizer it trusts the data-parallel
+replicas to be equal; it counts GTP padding rows in the norm, trusting them to be zero. When a
+promise is broken, the global norm depends on which copy happened to be counted. Each finding
+names the parameter and the ranks, measures the difference, and gives the global L2 norm had
+the tensor been counted the other way.
+
+Kinds of finding:
+
+- ``tp_replicas_differ``: not tensor-parallel, but its copies differ across TP (ETP) ranks;
+- ``gtp_replicas_differ``: not GTP-sharded, but its copies differ across GTP (EGTP) ranks;
+- ``dp_replicas_differ``: plain optimizer, but data-parallel replicas differ;
+- ``tied_copies_differ``: a tied copy (``shared``) differs from its original;
+- ``tied_copy_counted_twice``: two tied copies on different stages, neither marked ``shared``;
+- ``tp_shards_identical``: marked tensor-parallel, yet every TP rank holds the same values
+  (a replicated weight counted once per TP rank);
+- ``gtp_padding_nonzero``: GTP padding elements that are not zero;
+- ``attributes``: attributes that disagree across ranks or with the shapes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .analysis import Request, merge, nan_max
+from .report import SnapshotInfo, jsonable, snapshot_info
+from .runner import Place, gather_jobs, gather_pieces
+from .snapshot import Snapshot
+from .tiles import MappedFiles, Tile, chunks, snapshot_tiles
+
+__all__ = ["KINDS", "AuditReport", "Finding", "audit_snapshot"]
+
+KINDS = (
+    "tp_replicas_differ",
+    "gtp_replicas_differ",
+    "dp_replicas_differ",
+    "tied_copies_differ",
+    "tied_copy_counted_twice",
+    "tp_shards_identical",
+    "gtp_padding_nonzero",
+    "attributes",
+)
+
+# Attributes every copy and shard of a parameter must agree on.
+_AGREED = (
+    "tensor_model_parallel",
+    "partition_dim",
+    "partition_stride",
+    "allreduce",
+    "is_gtp_weight_remat",
+    "pad_length",
+    "shared",
+    "shared_embedding",
+)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One broken promise: which parameter, which ranks, how large, what it does to the norm."""
+
+    kind: str
+    name: str
+    ranks: tuple[int, ...]
+    detail: str
+    max_abs_diff: float | None  # the largest elementwise difference (from zero for padding)
+    rel_diff: float | None  # max_abs_diff relative to the largest |element| compared
+    norm_if_miscounted: float | None  # the global L2 norm, counted the other way
+    norm_change: float | None  # norm_if_miscounted / total_norm - 1
+
+
+@dataclass(frozen=True)
+class AuditReport:
+    snapshot: SnapshotInfo
+    rtol: float
+    total_norm: float
+    params_checked: int
+    findings: tuple[Finding, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(jsonable(asdict(self)))
+
+
+@dataclass
+class _Gap:
+    """How two equally long segments differ, and their sums of squares (float64)."""
+
+    elements: int = 0
+    differing: int = 0
+    max_abs_diff: float = 0.0
+    scale: float = 0.0
+    squares_ref: float = 0.0
+    squares_other: float = 0.0
+
+    def beyond(self, rtol: float) -> bool:
+        return self.differing > 0 and not self.max_abs_diff <= rtol * self.scale
+
+
+def _measure(ref: Tensor, other: Tensor) -> _Gap:
+    gap = _Gap(elements=ref.numel())
+    for block_ref, block_other in chunks(ref, other):
+        wide_ref, wide_other = block_ref.double(), block_other.double()
+        same = (wide_ref == wide_other) | (wide_ref.isnan() & wide_other.isnan())
+        differing = int((~same).sum())
+        if differing:
+            diff = (wide_ref - wide_other).abs_().masked_fill_(same, 0.0)
+            gap.differing += differing
+            gap.max_abs_diff = nan_max((gap.max_abs_diff, float(diff.max())))
+        for block in (wide_ref, wide_other):
+            gap.scale = max(gap.scale, float(block.abs().nan_to_num_(0.0).max()))
+        gap.squares_ref += float(wide_ref.square().sum())
+        gap.squares_other += float(wide_other.square().sum())
+    return gap
+
+
+def _squares(tensor: Tensor) -> float:
+    return sum(float(block.double().square().sum()) for (block,) in chunks(tensor))
+
+
+def _overlap(ref: Tile, other: Tile, same_buffer: bool) -> tuple[slice, slice] | None:
+    """The elements both tiles hold, as slices of each one's flat tensor.
+
+    Fragments without offsets are taken to cover the same range only when ``same_buffer`` (the
+    copies sit in equally laid out optimizer buffers: ranks of one stage) and shapes match.
+    """
+    if ref.start is not None and other.start is not None:
+        if ref.local_shape != other.local_shape:
+            return None
+        low = max(ref.start, other.start)
+        high = min(ref.start + ref.record.numel, other.start + other.record.numel)
+        if low >= high:
+            return None
+        return slice(low - ref.start, high - ref.start), slice(
+            low - other.start, high - other.start
+        )
+    if same_buffer and ref.record.shape == other.record.shape:
+        whole = slice(0, ref.record.numel)
+        return whole, whole
+    return None
+
+
+def _raw(
+    kind: str,
+    name: str,
+    ranks: Iterable[int],
+    detail: str,
+    max_abs_diff: float | None = None,
+    scale: float | None = None,
+    power_delta: float | None = None,
+) -> dict[str, Any]:
+    rel = None
+    if max_abs_diff is not None and scale is not None:
+        rel = max_abs_diff / scale if scale else (0.0 if max_abs_diff == 0 else math.inf)
+    return {
+        "kind": kind,
+        "name": name,
+        "ranks": sorted(set(ranks)),
+        "detail": detail,
+        "max_abs_diff": max_abs_diff,
+        "rel_diff": rel,
+        "power_delta": power_delta,
+    }
+
+
+def _axis_label(tile: Tile, role: str) -> str:
+    return (tile.axis(role) or role).upper()
+
+
+def _copies_differ(
+    kind: str,
+    what: str,
+    pairs: Iterable[tuple[Tile, Tile]],
+    files: MappedFiles,
+    rtol: float,
+    same_buffer: bool,
+) -> list[dict[str, Any]]:
+    """One finding for the (reference, copy) pairs that differ beyond ``rtol``, if any."""
+    ranks: set[int] = set()
+    differing = elements = 0
+    largest, scale = 0.0, 0.0
+    delta: float | None = None
+    name = ""
+    for ref, other in pairs:
+        name = ref.name
+        overlap = _overlap(ref, other, same_buffer)
+        if overlap is None:
+            continue
+        gap = _measure(files.tensor(ref)[overlap[0]], files.tensor(other)[overlap[1]])
+        if not gap.beyond(rtol):
+            continue
+        ranks |= {ref.rank, other.rank}
+        differing, elements = differing + gap.differing, elements + gap.elements
+        largest, scale = nan_max((largest, gap.max_abs_diff)), max(scale, gap.scale)
+        if ref.counted:
+            # Counting this copy instead of the reference: the larger change is reported.
+            change = gap.squares_other - gap.squares_ref
+            if delta is None or not abs(change) <= abs(delta):
+                delta = change
+    if not ranks:
+        return []
+    detail = f"{what}: {differing} of {elements} compared elements differ"
+    return [_raw(kind, name, ranks, detail, largest, scale, delta)]
+
+
+def _replica_pairs(tiles: Sequence[Tile], roles: tuple[str, ...]) -> list[tuple[Tile, Tile]]:
+    """(reference, copy) pairs of tiles that differ only along ``roles``; the reference is the
+    copy at coordinate 0 there (the one Megatron counts)."""
+    groups: dict[tuple[int, ...], list[Tile]] = defaultdict(list)
+    for tile in tiles:
+        groups[tile.site(*roles)].append(tile)
+    pairs = []
+    for group in groups.values():
+        ref = min(group, key=lambda tile: tuple(tile.place(role)[0] for role in roles))
+        pairs += [(ref, other) for other in group if other is not ref]
+    return pairs
+
+
+def _attribute_value(tile: Tile, label: str) -> str | None:
+    value = tile.local_shape if label == "shape" else tile.record.attr(label)
+    return None if value is None else repr(list(value) if label == "shape" else value)
+
+
+def _attribute_findings(name: str, tiles: Sequence[Tile]) -> list[dict[str, Any]]:
+    found = []
+    for label in (*_AGREED, "shape"):
+        values = Counter(_attribute_value(tile, label) for tile in tiles)
+        values.pop(None, None)
+        if len(values) < 2:
+            continue
+        usual = values.most_common(1)[0][0]
+        odd = [tile for tile in tiles if _attribute_value(tile, label) not in (usual, None)]
+        shown = sorted({str(_attribute_value(tile, label)) for tile in odd})
+        detail = f"{label} is {', '.join(shown)} on {len(odd)} ranks but {usual} on the others"
+        found.append(_raw("attributes", name, (tile.rank for tile in odd), detail))
+    first = tiles[0]
+    shape, dim = first.local_shape, first.record.attr("partition_dim")
+    if first.tp_sharded and shape is not None and not 0 <= dim < len(shape):
+        detail = f"tensor-parallel along partition_dim {dim}, but its shape is {list(shape)}"
+        found.append(_raw("attributes", name, (tile.rank for tile in tiles), detail))
+    return found
+
+
+def _identical_shards(
+    name: str, tiles: Sequence[Tile], files: MappedFiles, same_buffer: bool
+) -> list[dict[str, Any]]:
+    """A tensor-parallel parameter whose TP shards are all bitwise equal (and not all zero)."""
+    tp_size = tiles[0].place("tp")[1]
+    pairs = _replica_pairs(tiles, ("tp",))
+    groups = {tile.site("tp") for tile in tiles}
+    if tp_size < 2 or len(pairs) != len(groups) * (tp_size - 1):
+        return []
+    scale = 0.0
+    for ref, other in pairs:
+        overlap = _overlap(ref, other, same_buffer)
+        if overlap is None or overlap[0] != slice(0, ref.record.numel):
+            return []
+        gap = _measure(files.tensor(ref)[overlap[0]], files.tensor(other)[overlap[1]])
+        if gap.differing:
+            return []
+        scale = max(scale, gap.scale)
+    if scale == 0.0:
+        return []
+    counted = sum(_squares(files.tensor(tile)) for tile in tiles if tile.counted)
+    label = _axis_label(tiles[0], "tp")
+    detail = (
+        f"marked tensor-parallel, but all {tp_size} {label} shards are identical: a replicated "
+        f"weight counted {tp_size} times"
+    )
+    delta = -counted * (tp_size - 1) / tp_size
+    return [_raw("tp_shards_identical", name, (t.rank for t in tiles), detail, 0.0, scale, delta)]
+
+
+def _padding(name: str, tiles: Sequence[Tile], files: MappedFiles) -> list[dict[str, Any]]:
+    ranks, nonzero, elements = set(), 0, 0
+    largest, squares = 0.0, 0.0
+    for tile in tiles:
+        pad = tile.pad_range()
+        if not tile.counted or pad is None or tile.start is None or tile.stop is None:
+            continue
+        low, high = max(pad[0], tile.start), min(pad[1], tile.stop)
+        if low >= high:
+            continue
+        segment = files.tensor(tile)[low - tile.start : high - tile.start]
+        elements += segment.numel()
+        found = int(torch.count_nonzero(segment.nan_to_num(nan=1.0)))  # NaN is not zero
+        if found:
+            ranks.add(tile.rank)
+            nonzero += found
+            wide = segment.double()
+            largest = nan_max((largest, float(wide.abs().max())))
+            squares += _squares(segment)
+    if not ranks:
+        return []
+    detail = (
+        f"{nonzero} of {elements} GTP padding elements are not zero (Megatron counts them in "
+        f"the norm and subtracts them from num_zeros as zeros)"
+    )
+    return [_raw("gtp_padding_nonzero", name, ranks, detail, largest, largest, -squares)]
+
+
+def _audit_param(tiles: Sequence[Tile], distributed_optimizer: bool, rtol: float) -> list[Any]:
+    name, first = tiles[0].name, tiles[0]
+    attributes = _attribute_findings(name, tiles)
+    if attributes:
+        return attributes  # the other checks would compare unlike things
+    found = []
+    with MappedFiles() as files:
+        tp, gtp = first.place("tp")[1], first.place("gtp")[1]
+        if not first.tp_sharded and tp > 1:
+            what = f"not tensor-parallel, yet its copies differ across {_axis_label(first, 'tp')}"
+            pairs = _replica_pairs(tiles, ("tp",))
+            found += _copies_differ("tp_replicas_differ", what, pairs, files, rtol, True)
+        if not first.gtp_sharded and gtp > 1:
+            what = f"not GTP-sharded, yet its copies differ across {_axis_label(first, 'gtp')}"
+            pairs = _replica_pairs(tiles, ("gtp",))
+            found += _copies_differ("gtp_replicas_differ", what, pairs, files, rtol, True)
+        if not distributed_optimizer:
+            what = "plain optimizer, yet its data-parallel replicas differ"
+            pairs = _replica_pairs(tiles, ("dp", "cp"))
+            found += _copies_differ("dp_replicas_differ", what, pairs, files, rtol, True)
+        if first.tp_sharded and tp > 1:
+            found += _identical_shards(name, tiles, files, True)
+        found += _padding(name, tiles, files)
+    return found
+
+
+def _tied_jobs(tiles: dict[str, list[Tile]]) -> list[tuple[str, str, str]]:
+    """(mode, original, other) for tied copies: "copy" (a ``shared`` copy of the original) or
+    "twice" (another stage's tied weight that is not marked ``shared``)."""
+    tied = [name for name, held in tiles.items() if held[0].record.attr("shared_embedding")]
+    originals = [name for name in tied if not tiles[name][0].record.attr("shared")]
+    copies = [name for name in tied if tiles[name][0].record.attr("shared")]
+
+    def stage(name: str) -> int:
+        return tiles[name][0].place("pp")[0]
+
+    def shape(name: str) -> tuple[int, ...] | None:
+        return tiles[name][0].local_shape
+
+    jobs = []
+    for copy in copies:
+        match = [name for name in originals if stage(name) != stage(copy)]
+        match.sort(key=lambda name: shape(name) != shape(copy))
+        if match:
+            jobs.append(("copy", match[0], copy))
+    if originals:
+        first = min(originals, key=stage)
+        for other in originals:
+            if stage(other) != stage(first) and shape(other) == shape(first):
+                jobs.append(("twice", first, other))
+    return jobs
+
+
+def _audit_tied(
+    mode: str, original: list[Tile], other: list[Tile], rtol: float
+) -> list[dict[str, Any]]:
+    by_site = {tile.site("pp"): tile for tile in original}
+    pairs = [(by_site[tile.site("pp")], tile) for tile in other if tile.site("pp") in by_site]
+    with MappedFiles() as files:
+        if mode == "copy":
+            what = f"tied copy of {original[0].name!r} (marked shared), yet they differ"
+            return _copies_differ("tied_copies_differ", what, pairs, files, rtol, False)
+        squares = sum(_squares(files.tensor(tile)) for tile in other if tile.counted)
+    detail = (
+        f"tied to {original[0].name!r} (shared_embedding on both stages), but neither is marked "
+        f"shared: counted twice"
+    )
+    ranks = [tile.rank for tile in (*original, *other) if tile.counted]
+    return [_raw("tied_copy_counted_twice", other[0].name, ranks, detail, power_delta=-squares)]
+
+
+def audit_snapshot(
+    snapshot: Snapshot, place: Place, rtol: float = 0.0, device: torch.device | str = "cpu"
+) -> AuditReport:
+    """Every check on every parameter, in this process or split over torchrun's by parameter.
+
+    Args:
+        snapshot: an opened (validated) snapshot.
+        place: this process among torchrun's (or alone).
+        rtol: copies count as equal when max |a - b| <= rtol * max |x| (0: bitwise equal).
+        device: where the global norm is reduced.
+    """
+    request = Request.make((2.0,), False, device)
+    stats = merge(gather_pieces(snapshot, request, place), request)
+    total = stats.norm(2.0)
+    tiles = snapshot_tiles(snapshot)
+    distributed = snapshot.distributed_optimizer
+    jobs: list[tuple[str, ...]] = [("param", name) for name in tiles]
+    jobs += _tied_jobs(tiles)
+
+    def work(job: tuple[str, ...]) -> list[Any]:
+        if job[0] == "param":
+            return _audit_param(tiles[job[1]], distributed, rtol)
+        return _audit_tied(job[0], tiles[job[1]], tiles[job[2]], rtol)
+
+    findings = [
+        _finding(raw, total) for results in gather_jobs(place, jobs, work) for raw in results
+    ]
+    return AuditReport(
+        snapshot=snapshot_info(snapshot),
+        rtol=rtol,
+        total_norm=total,
+        params_checked=len(tiles),
+        findings=tuple(findings),
+    )
+
+
+def _finding(raw: dict[str, Any], total: float) -> Finding:
+    delta = raw.pop("power_delta")
+    norm_if = change = None
+    if delta is not None and math.isfinite(total):
+        norm_if = math.sqrt(max(total * total + delta, 0.0))
+        change = norm_if / total - 1.0 if total else None
+    raw["ranks"] = tuple(raw["ranks"])
+    return Finding(**raw, norm_if_miscounted=norm_if, norm_change=change)

@@ -1,0 +1,234 @@
+"""gradstat compare: two snapshots of the same model, possibly in different layouts.
+
+Each logical parameter's L2 norm and zero count come from the same pieces as ``gradstat norm``
+and ``zeros``, so they are what Megatron would compute in each layout. Where both sides can be
+rebuilt into full tensors (TP shards placed along their partition dim, GTP padding stripped,
+fragments placed by offset), the largest elementwise difference is measured too: it catches what
+norms cannot, such as TP shards in the wrong order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from .analysis import ParamStats, Request, SnapshotStats, merge
+from .report import SnapshotInfo, jsonable, snapshot_info
+from .runner import Place, gather_jobs, gather_pieces
+from .snapshot import Snapshot
+from .tiles import MappedFiles, Tile, assemble, chunks, plan, snapshot_tiles
+
+__all__ = ["CompareReport", "ParamDiff", "TotalDiff", "compare_snapshots", "rel_diff"]
+
+DEFAULT_RTOL = 1e-5
+
+
+def rel_diff(a: float, b: float) -> float:
+    """|a - b| relative to the larger magnitude; 0 for equal values, NaN if either is NaN."""
+    if a == b:
+        return 0.0
+    if math.isnan(a) or math.isnan(b):
+        return math.nan
+    if math.isinf(a) or math.isinf(b):
+        return math.inf
+    return abs(a - b) / max(abs(a), abs(b))
+
+
+def _beyond(diff: float | None, rtol: float) -> bool:
+    return diff is not None and not diff <= rtol  # NaN is beyond any tolerance
+
+
+@dataclass(frozen=True)
+class ParamDiff:
+    """One logical parameter in both snapshots (None where a side lacks it)."""
+
+    name: str
+    norm_a: float | None
+    norm_b: float | None
+    rel_diff: float | None
+    zeros_a: int | None
+    zeros_b: int | None
+    num_elements_a: int | None
+    num_elements_b: int | None
+    shape_a: tuple[int, ...] | None  # the full shape, where the side could be rebuilt
+    shape_b: tuple[int, ...] | None
+    max_abs_diff: float | None  # largest elementwise |a - b|, where both were rebuilt
+    rel_max_diff: float | None  # max_abs_diff relative to the largest |element| of both
+    not_rebuilt: str | None  # why there is no elementwise difference
+    flags: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class TotalDiff:
+    """A whole-model figure in both snapshots."""
+
+    measure: str
+    a: float
+    b: float
+    rel_diff: float
+    flagged: bool
+
+
+@dataclass(frozen=True)
+class CompareReport:
+    a: SnapshotInfo
+    b: SnapshotInfo
+    rtol: float
+    totals: tuple[TotalDiff, ...]
+    params: tuple[ParamDiff, ...]
+    mismatches: tuple[str, ...]  # the flagged parameters, in module order
+
+    @property
+    def flagged(self) -> bool:
+        return bool(self.mismatches) or any(total.flagged for total in self.totals)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["flagged"] = self.flagged
+        return dict(jsonable(data))
+
+
+def _elementwise(tiles_a: list[Tile], tiles_b: list[Tile]) -> dict[str, Any]:
+    """Rebuild one parameter on both sides and measure their largest elementwise difference."""
+    name = tiles_a[0].name
+    plans = plan(name, tiles_a), plan(name, tiles_b)
+    result: dict[str, Any] = {"shape_a": None, "shape_b": None, "max_abs_diff": None}
+    result["scale"] = None
+    reasons = []
+    for side, found in zip("ab", plans, strict=True):
+        if isinstance(found, str):
+            reasons.append(f"{side.upper()}: {found}")
+        else:
+            result[f"shape_{side}"] = list(found.full_shape)
+    result["not_rebuilt"] = "; ".join(reasons) or None
+    plan_a, plan_b = plans
+    if isinstance(plan_a, str) or isinstance(plan_b, str):
+        return result
+    if plan_a.full_shape != plan_b.full_shape:
+        result["not_rebuilt"] = "the full shapes differ"
+        return result
+    with MappedFiles() as files_a, MappedFiles() as files_b:
+        full_a, full_b = assemble(plan_a, files_a), assemble(plan_b, files_b)
+    largest_diff, largest = 0.0, 0.0
+    for block_a, block_b in chunks(full_a.view(-1), full_b.view(-1)):
+        wide_a, wide_b = block_a.double(), block_b.double()
+        both_nan = wide_a.isnan() & wide_b.isnan()
+        diff = (wide_a - wide_b).abs_().masked_fill_(both_nan, 0.0)
+        # max() propagates NaN: a NaN on one side only is a NaN difference.
+        largest_diff = _nan_max(largest_diff, float(diff.max()) if diff.numel() else 0.0)
+        for block in (wide_a, wide_b):
+            if block.numel():
+                largest = max(largest, float(block.abs().nan_to_num_(0.0).max()))
+    result["max_abs_diff"], result["scale"] = largest_diff, largest
+    return result
+
+
+def _nan_max(a: float, b: float) -> float:
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
+
+
+def _totals(stats_a: SnapshotStats, stats_b: SnapshotStats, rtol: float) -> tuple[TotalDiff, ...]:
+    figures = [
+        ("total_norm", stats_a.norm(2.0), stats_b.norm(2.0)),
+        ("dense_norm", stats_a.norm(2.0, expert=False), stats_b.norm(2.0, expert=False)),
+        ("expert_norm", stats_a.norm(2.0, expert=True), stats_b.norm(2.0, expert=True)),
+        ("num_zeros", float(stats_a.zeros), float(stats_b.zeros)),
+        ("num_elements", float(stats_a.numel), float(stats_b.numel)),
+    ]
+    totals = []
+    for measure, a, b in figures:
+        diff = rel_diff(a, b)
+        exact = measure.startswith("num_")
+        flagged = a != b if exact else _beyond(diff, rtol)
+        totals.append(TotalDiff(measure, a, b, diff, flagged))
+    return tuple(totals)
+
+
+def _param_diff(
+    name: str,
+    stats: tuple[dict[str, ParamStats], dict[str, ParamStats]],
+    elementwise: dict[str, Any] | None,
+    rtol: float,
+) -> ParamDiff:
+    a, b = (side.get(name) for side in stats)
+    flags = []
+    if a is None or b is None:
+        flags.append("only_in_a" if b is None else "only_in_b")
+    norm_a = None if a is None else a.norm(2.0)
+    norm_b = None if b is None else b.norm(2.0)
+    diff = None if norm_a is None or norm_b is None else rel_diff(norm_a, norm_b)
+    if _beyond(diff, rtol):
+        flags.append("norm")
+    if a is not None and b is not None:
+        if a.zeros != b.zeros:
+            flags.append("zeros")
+        if a.numel != b.numel:
+            flags.append("num_elements")
+    found = elementwise or {}
+    shape_a, shape_b = found.get("shape_a"), found.get("shape_b")
+    if shape_a is not None and shape_b is not None and shape_a != shape_b:
+        flags.append("shape")
+    max_abs_diff, scale = found.get("max_abs_diff"), found.get("scale")
+    rel_max = None
+    if max_abs_diff is not None and scale is not None:
+        rel_max = max_abs_diff / scale if scale else (0.0 if max_abs_diff == 0 else math.inf)
+        if _beyond(rel_max, rtol):
+            flags.append("values")
+    return ParamDiff(
+        name=name,
+        norm_a=norm_a,
+        norm_b=norm_b,
+        rel_diff=diff,
+        zeros_a=None if a is None else a.zeros,
+        zeros_b=None if b is None else b.zeros,
+        num_elements_a=None if a is None else a.numel,
+        num_elements_b=None if b is None else b.numel,
+        shape_a=None if shape_a is None else tuple(shape_a),
+        shape_b=None if shape_b is None else tuple(shape_b),
+        max_abs_diff=max_abs_diff,
+        rel_max_diff=rel_max,
+        not_rebuilt=found.get("not_rebuilt") if elementwise is not None else None,
+        flags=tuple(flags),
+    )
+
+
+def compare_snapshots(
+    snapshot_a: Snapshot,
+    snapshot_b: Snapshot,
+    place: Place,
+    rtol: float = DEFAULT_RTOL,
+    device: torch.device | str = "cpu",
+) -> CompareReport:
+    """Compare two snapshots parameter by parameter, in this process or over torchrun's.
+
+    Norms and zeros are reduced as by ``gradstat norm``/``zeros`` (rank files split over the
+    processes); the full-tensor comparisons are split over the processes by parameter.
+
+    Args:
+        snapshot_a: the first snapshot (its parameter order is the report's).
+        snapshot_b: the second snapshot.
+        place: this process among torchrun's (or alone).
+        rtol: relative tolerance for norms and for elementwise differences.
+        device: where norms and zeros are reduced.
+    """
+    request = Request.make((2.0,), True, device)
+    stats_a = merge(gather_pieces(snapshot_a, request, place), request)
+    stats_b = merge(gather_pieces(snapshot_b, request, place), request)
+    by_name = ({p.name: p for p in stats_a.params}, {p.name: p for p in stats_b.params})
+    names = list(by_name[0]) + [name for name in by_name[1] if name not in by_name[0]]
+    tiles_a, tiles_b = snapshot_tiles(snapshot_a), snapshot_tiles(snapshot_b)
+    common = [name for name in names if name in by_name[0] and name in by_name[1]]
+    found = gather_jobs(place, common, lambda name: _elementwise(tiles_a[name], tiles_b[name]))
+    elementwise = dict(zip(common, found, strict=True))
+    params = tuple(_param_diff(name, by_name, elementwise.get(name), rtol) for name in names)
+    return CompareReport(
+        a=snapshot_info(snapshot_a),
+        b=snapshot_info(snapshot_b),
+        rtol=rtol,
+        totals=_totals(stats_a, stats_b, rtol),
+        params=params,
+        mismatches=tuple(param.name for param in params if param.flags),
+    )
