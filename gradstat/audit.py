@@ -190,7 +190,7 @@ def _copies_differ(
     delta: float | None = None
     name = ""
     for ref, other in pairs:
-        name = ref.name
+        name = other.name  # the copy: for a tied pair, the one that should equal the other
         overlap = _overlap(ref, other, same_buffer)
         if overlap is None:
             continue
