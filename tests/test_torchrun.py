@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -68,3 +69,41 @@ def test_bad_rank_file_stops_every_process_with_the_same_message(tmp_path: Path)
     # torchrun's own launcher prints a traceback when its children fail; none comes from ours.
     assert "gradstat/cli.py" not in result.stderr
     assert result.stdout == ""
+
+
+def test_compare_under_three_processes_prints_what_one_prints() -> None:
+    """Full tensors are rebuilt by parameter, split over the processes."""
+    command = [
+        "compare",
+        str(SAMPLES / "tp2-pp2-dp2-ep2-distopt"),
+        str(SAMPLES / "tp2-pp2-dp2-ep2-distopt-nan"),
+        "--json",
+    ]
+    alone = _run(*command)
+    launched = _run(*command, processes=3)
+    assert alone.returncode == launched.returncode == 1, launched.stderr
+    assert '"mismatches": [' in alone.stdout and launched.stdout == alone.stdout
+
+
+def test_audit_under_three_processes_prints_what_one_prints(tmp_path: Path) -> None:
+    from gradstat.layout import Layout, RankParams
+    from tests import _model
+
+    def plant(ranks: list[RankParams]) -> None:
+        for share, param in _model.params_named(ranks, _model.LAYERNORM):
+            if share.coords["tp"][0] == 1:
+                param.grad[0] += 1.0
+        for _, param in _model.params_named(ranks, _model.OUTPUT):
+            param.shared = False
+        for share, param in _model.params_named(ranks, _model.QKV):
+            if share.coords["gtp"][0] == 1:
+                param.grad[-1] = 2.0
+
+    layout = Layout(tp=2, gtp=2, pp=2, gtp_align=8)
+    directory = _model.write(tmp_path, layout, plant=plant)
+    alone = _run("audit", str(directory), "--json")
+    launched = _run("audit", str(directory), "--json", processes=3)
+    assert alone.returncode == launched.returncode == 1, launched.stderr
+    kinds = [finding["kind"] for finding in json.loads(alone.stdout)["findings"]]
+    assert sorted(kinds) == ["gtp_padding_nonzero", "tied_copy_counted_twice", "tp_replicas_differ"]
+    assert launched.stdout == alone.stdout
