@@ -59,6 +59,10 @@ def _gtp_attrs(meta: dict[str, Any]) -> dict[str, Any]:
     return next(p["attrs"] for p in meta["params"] if p["attrs"].get("is_gtp_weight_remat"))
 
 
+def _grad_attrs(meta: dict[str, Any]) -> dict[str, Any]:
+    return next(p["attrs"] for p in meta["params"] if p["grad"])
+
+
 def _first_tensor(header: dict[str, Any]) -> dict[str, Any]:
     return next(entry for key, entry in header.items() if key != "__metadata__")
 
@@ -197,6 +201,14 @@ CASES: dict[str, tuple[Callable[[Path], None], str]] = {
     "directory instead of a file": (_directory, "a directory, expected a rank file"),
     "symlink out of the snapshot": (_symlink_out, "symlink leads out of the snapshot"),
     "pickle renamed": (_pickle_file, "exceeds the file's"),
+    "fragment offset without its shape": (
+        _edit_meta(RANK1, lambda m: _grad_attrs(m).update(fragment_offset=0)),
+        "fragment_offset and fragment_shape come together",
+    ),
+    "fragment beyond its parameter": (
+        _edit_meta(RANK1, lambda m: _grad_attrs(m).update(fragment_offset=3, fragment_shape=[2])),
+        "does not fit in a parameter of shape [2]",
+    ),
     "record without tensor": (
         _edit_meta(RANK1, lambda m: m["params"].append({**m["params"][0], "name": "ghost"})),
         "parameter 'ghost': its gradient tensor is missing",
@@ -218,14 +230,16 @@ def _state(directory: Path) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("command", ["norm", "zeros"])
+@pytest.mark.parametrize("command", ["norm", "zeros", "audit", "compare"])
 def test_bad_snapshot(case: str, command: str, tmp_path: Path) -> None:
     snapshot = tmp_path / "snapshot"
     shutil.copytree(SAMPLE, snapshot)
     make, message = CASES[case]
     make(snapshot)
     before = _state(snapshot)
-    result = CliRunner().invoke(app, [command, str(snapshot)])
+    # compare: the good sample first, so that the bad one is found second.
+    inputs = [str(SAMPLE), str(snapshot)] if command == "compare" else [str(snapshot)]
+    result = CliRunner().invoke(app, [command, *inputs])
     assert result.exit_code == 2, (result.stdout, result.stderr)
     assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit)
     assert result.stdout == ""

@@ -111,3 +111,33 @@ def test_cli_on_cuda_prints_what_cpu_prints() -> None:
     cpu_rows = {row["name"]: row["norm"] for row in reports["cpu"]["params"]}
     for row in reports["cuda"]["params"]:
         assert math.isclose(row["norm"], cpu_rows[row["name"]], rel_tol=1e-6, abs_tol=1e-12)
+
+
+def test_compare_and_audit_on_cuda_find_what_cpu_finds() -> None:
+    import json
+
+    samples = Path(__file__).resolve().parent.parent / "sample_data"
+    runs = {
+        "compare": [str(samples / "tp2-pp2-dp2-ep2-distopt"), str(samples / "gtp2-pp2-dp2-ep2")],
+        "audit": [str(samples / "tp2-pp2-dp2-ep2-distopt-nan")],
+    }
+    for command, inputs in runs.items():
+        reports = {}
+        for device in ("cpu", "cuda"):
+            result = subprocess.run(
+                [sys.executable, "-m", "gradstat", command, *inputs, "--json", "--device", device],
+                capture_output=True,
+                text=True,
+                timeout=300,
+                check=False,
+            )
+            assert result.returncode == 0, result.stderr
+            reports[device] = json.loads(result.stdout)
+        cpu, cuda = reports["cpu"], reports["cuda"]
+        if command == "compare":
+            assert cuda["mismatches"] == cpu["mismatches"] == []
+            for got, want in zip(cuda["params"], cpu["params"], strict=True):
+                assert got["max_abs_diff"] == want["max_abs_diff"] == 0.0
+                assert math.isclose(got["norm_a"], want["norm_a"], rel_tol=1e-6, abs_tol=1e-12)
+        else:
+            assert cuda["findings"] == cpu["findings"] == []

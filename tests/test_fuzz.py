@@ -16,7 +16,10 @@ from types import FrameType
 import torch
 
 from gradstat.analysis import snapshot_stats
+from gradstat.audit import audit_snapshot
+from gradstat.compare import compare_snapshots
 from gradstat.errors import GradstatError
+from gradstat.runner import Place
 from gradstat.snapshot import Snapshot, save_rank
 
 MUTANTS = 2000
@@ -83,8 +86,12 @@ def campaign(workdir: Path, mutants: int, seed: int = SEED) -> dict[str, int]:
             (trial / victim).write_bytes(_mutate(originals[victim], rng))
             signal.alarm(10)
             try:
-                stats = snapshot_stats(Snapshot.open(trial), (2.0, math.inf))
+                snapshot = Snapshot.open(trial)
+                stats = snapshot_stats(snapshot, (2.0, math.inf))
                 assert stats.zeros >= 0 and stats.numel >= 0
+                # What survives validation must survive the diagnostics too.
+                audit_snapshot(snapshot, Place(0, 1))
+                compare_snapshots(Snapshot.open(good), snapshot, Place(0, 1))
                 outcome["result"] += 1
             except GradstatError:
                 outcome["error"] += 1
