@@ -207,7 +207,7 @@ def _copies_differ(
                 delta = change
     if not ranks:
         return []
-    detail = f"{what}: {differing} of {elements} compared elements differ"
+    detail = f"{what} in {differing} of {elements} elements"
     return [_raw(kind, name, ranks, detail, largest, scale, delta)]
 
 
@@ -301,8 +301,8 @@ def _padding(name: str, tiles: Sequence[Tile], files: MappedFiles) -> list[dict[
     if not ranks:
         return []
     detail = (
-        f"{nonzero} of {elements} GTP padding elements are not zero (Megatron counts them in "
-        f"the norm and subtracts them from num_zeros as zeros)"
+        f"{nonzero} of {elements} GTP padding elements are not zero: counted in the norm, "
+        f"and subtracted from num_zeros as if zero"
     )
     return [_raw("gtp_padding_nonzero", name, ranks, detail, largest, largest, -squares)]
 
@@ -316,11 +316,11 @@ def _audit_param(tiles: Sequence[Tile], distributed_optimizer: bool, rtol: float
     with MappedFiles() as files:
         tp, gtp = first.place("tp")[1], first.place("gtp")[1]
         if not first.tp_sharded and tp > 1:
-            what = f"not tensor-parallel, yet its copies differ across {_axis_label(first, 'tp')}"
+            what = f"not tensor-parallel, yet its {_axis_label(first, 'tp')} copies differ"
             pairs = _replica_pairs(tiles, ("tp",))
             found += _copies_differ("tp_replicas_differ", what, pairs, files, rtol, True)
         if not first.gtp_sharded and gtp > 1:
-            what = f"not GTP-sharded, yet its copies differ across {_axis_label(first, 'gtp')}"
+            what = f"not GTP-sharded, yet its {_axis_label(first, 'gtp')} copies differ"
             pairs = _replica_pairs(tiles, ("gtp",))
             found += _copies_differ("gtp_replicas_differ", what, pairs, files, rtol, True)
         if not distributed_optimizer:
@@ -367,12 +367,12 @@ def _audit_tied(
     pairs = [(by_site[tile.site("pp")], tile) for tile in other if tile.site("pp") in by_site]
     with MappedFiles() as files:
         if mode == "copy":
-            what = f"tied copy of {original[0].name!r} (marked shared), yet they differ"
+            what = f"tied copy (shared) of {original[0].name}, yet they differ"
             return _copies_differ("tied_copies_differ", what, pairs, files, rtol, False)
         squares = sum(_squares(files.tensor(tile)) for tile in other if tile.counted)
     detail = (
-        f"tied to {original[0].name!r} (shared_embedding on both stages), but neither is marked "
-        f"shared: counted twice"
+        f"tied to {original[0].name} (shared_embedding on both stages), but neither is "
+        f"marked shared: counted twice"
     )
     ranks = [tile.rank for tile in (*original, *other) if tile.counted]
     return [_raw("tied_copy_counted_twice", other[0].name, ranks, detail, power_delta=-squares)]

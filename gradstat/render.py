@@ -215,24 +215,26 @@ def print_audit(console: Console, report: AuditReport) -> None:
         console.print("[bold green]no findings[/]: every copy, padding row and attribute agrees")
         return
     table = Table(title=f"[bold red]{len(report.findings)} findings[/]")
+    table.add_column("#", justify="right")
     table.add_column("finding")
     table.add_column("parameter", overflow="fold")
     table.add_column("ranks", overflow="fold")
     for column in ("max |diff|", "norm if miscounted", "change"):
         table.add_column(column, justify="right")
-    table.add_column("detail", overflow="fold")
-    for finding in report.findings:
+    for number, finding in enumerate(report.findings, 1):
         ranks = ", ".join(str(rank) for rank in finding.ranks[:8])
         if len(finding.ranks) > 8:
             ranks += f" (+{len(finding.ranks) - 8})"
         change = "-" if finding.norm_change is None else f"{finding.norm_change:+.3%}"
         table.add_row(
+            str(number),
             finding.kind,
             escape(finding.name),
             ranks,
             _maybe(finding.max_abs_diff, 4),
             _maybe(finding.norm_if_miscounted, 8),
             change,
-            escape(finding.detail),
         )
     console.print(table)
+    for number, finding in enumerate(report.findings, 1):
+        console.print(f"{number:>2}. {escape(finding.detail)}")

@@ -16,6 +16,11 @@ shards them and save_rank writes:
 - ``tp2-pp2-dp2-ep2-distopt-nan/``: the first snapshot with a NaN in one fragment of
   ``decoder.layers.1.self_attention.linear_qkv.weight`` (rank 5) and an Inf in one of
   ``decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.weight`` (rank 6).
+- ``tp2-gtp2-pp2-ep2-bugs/``: the same gradients, TP=2, GTP=2, PP=2, EP=2, with three layout
+  bugs planted for ``gradstat audit`` to find: the first layernorm's gradient on TP rank 1 is
+  1.5x rank 0's (a replicated weight whose TP copies differ, as in Megatron-LM#1446), the tied
+  output layer is not marked ``shared`` (counted twice), and one GTP padding element of the
+  first QKV weight is 0.5.
 
 Then it checks, with Snapshot.open and snapshot_stats, that both clean snapshots give the
 float64 statistics of the unsharded gradients (each logical parameter once) and prints them.
@@ -39,6 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gradstat.analysis import snapshot_stats
+from gradstat.audit import audit_snapshot
 from gradstat.layout import (
     Layout,
     ParamLayout,
@@ -47,6 +53,7 @@ from gradstat.layout import (
     shard_gradients,
     write_snapshot,
 )
+from gradstat.runner import Place
 from gradstat.snapshot import Snapshot
 
 VOCAB, HIDDEN, HEADS, FFN = 96, 32, 4, 80
@@ -66,6 +73,11 @@ OUTPUT_LAYER = "output_layer.weight"
 DISTOPT = "tp2-pp2-dp2-ep2-distopt"
 GTP = "gtp2-pp2-dp2-ep2"
 NAN = "tp2-pp2-dp2-ep2-distopt-nan"
+BUGS = "tp2-gtp2-pp2-ep2-bugs"
+BUGS_LAYOUT = Layout(tp=2, gtp=2, pp=2, ep=2, gtp_align=16)
+BUG_LAYERNORM = "decoder.layers.0.input_layernorm.weight"
+BUG_PADDING = "decoder.layers.0.self_attention.linear_qkv.weight"
+BUG_KINDS = ["tp_replicas_differ", "gtp_padding_nonzero", "tied_copy_counted_twice"]
 LAYOUTS = {
     DISTOPT: Layout(tp=2, pp=2, dp=2, ep=2, distributed_optimizer=True),
     GTP: Layout(gtp=2, pp=2, dp=2, ep=2, egtp=2, gtp_align=32),
@@ -286,6 +298,26 @@ def corrupt(ranks: Sequence[RankParams]) -> None:
         grad.view(-1)[grad.numel() // 2] = value
 
 
+def plant_bugs(ranks: Sequence[RankParams]) -> None:
+    """The three bugs of the BUGS snapshot (in place)."""
+    planted = 0
+    for share in ranks:
+        for name, param in share.params:
+            assert param.grad is not None
+            if name == BUG_LAYERNORM and share.coords["tp"][0] == 1:
+                param.grad.mul_(1.5)
+            if name == OUTPUT_LAYER:
+                param.shared = False  # type: ignore[attr-defined]
+            last_gtp = share.coords["gtp"][0] == share.coords["gtp"][1] - 1
+            if name == BUG_PADDING and last_gtp and share.coords["tp"][0] == 0:
+                if not getattr(param, "pad_length", 0):
+                    raise RuntimeError(f"{name!r} has no GTP padding to plant a value in")
+                param.grad[-1, 0] = 0.5  # the last row of the last GTP shard is padding
+                planted += 1
+    if planted != 1:
+        raise RuntimeError(f"planted the padding value {planted} times, expected once")
+
+
 # ---------------------------------------------------------------------------------------------
 # Statistics and checks
 # ---------------------------------------------------------------------------------------------
@@ -394,8 +426,8 @@ def _prepare(directories: Sequence[Path], force: bool) -> list[str]:
 
 
 def generate(out: Path, force: bool = False) -> int:
-    """Write the three snapshots under ``out``, check them, print the figures; the exit code."""
-    directories = {name: out / name for name in (DISTOPT, GTP, NAN)}
+    """Write the four snapshots under ``out``, check them, print the figures; the exit code."""
+    directories = {name: out / name for name in (DISTOPT, GTP, NAN, BUGS)}
     refusals = _prepare(list(directories.values()), force)
     if refusals:
         print("\n".join(f"error: {message}" for message in refusals), file=sys.stderr)
@@ -413,6 +445,9 @@ def generate(out: Path, force: bool = False) -> int:
         if name == DISTOPT:
             corrupt(ranks)
             write_snapshot(directories[NAN], layout, ranks, step=STEP)
+    ranks = shard_gradients(BUGS_LAYOUT, param_layouts(names, BUGS_LAYOUT.pp), gradients.grads)
+    plant_bugs(ranks)
+    write_snapshot(directories[BUGS], BUGS_LAYOUT, ranks, step=STEP)
     expected = float64_figures(list(gradients.grads.values()))
     header = ["snapshot".ljust(30), *(f"{'L' + format(p, 'g'):>22}" for p in NORM_TYPES)]
     print(" ".join([*header, " zeros  numel pad_zeros   max rel err"]))
@@ -428,6 +463,12 @@ def generate(out: Path, force: bool = False) -> int:
     broken = {name for name, norm in per_param.items() if not math.isfinite(norm)}
     if not math.isnan(figures.norms[2.0]) or broken != {name for _, name, _ in CORRUPTIONS}:
         problems.append(f"{NAN}: L2 {figures.norms[2.0]}, non-finite parameters {sorted(broken)}")
+    figures, _ = snapshot_figures(directories[BUGS])
+    print(_row(BUGS, figures, None))
+    report = audit_snapshot(Snapshot.open(directories[BUGS]), Place(0, 1))
+    kinds = [finding.kind for finding in report.findings]
+    if sorted(kinds) != sorted(BUG_KINDS):
+        problems.append(f"{BUGS}: gradstat audit found {kinds}, expected {BUG_KINDS}")
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
     return 1 if problems else 0

@@ -40,7 +40,7 @@ def _load_script() -> ModuleType:
 
 sample = _load_script()
 CLEAN = (sample.DISTOPT, sample.GTP)
-ALL = (*CLEAN, sample.NAN)
+ALL = (*CLEAN, sample.NAN, sample.BUGS)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def grads() -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def generated(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The three snapshots, generated in this process into a fresh directory."""
+    """The four snapshots, generated in this process into a fresh directory."""
     out = tmp_path_factory.mktemp("sample_data")
     assert sample.generate(out) == 0
     return out
@@ -76,7 +76,7 @@ def test_a_second_run_writes_byte_identical_files(generated: Path, tmp_path: Pat
     )
     assert result.returncode == 0, result.stderr
     first, second = _files(generated), _files(tmp_path)
-    assert len(first) == 3 * 8
+    assert len(first) == len(ALL) * 8
     assert first == second
     # stdout is the figures table only: a header, the oracle and one row per snapshot.
     rows = result.stdout.splitlines()
@@ -239,3 +239,35 @@ def test_layout_rank_order_and_errors() -> None:
     with pytest.raises(LayoutError, match="'v' is not a described parameter"):
         shard_gradients(Layout(), [ParamLayout("w")], {**grad, "v": torch.ones(1)})
     assert isinstance(LayoutError("x"), gradstat.GradstatError)
+
+
+def test_bugs_snapshot_holds_the_three_planted_bugs(
+    generated: Path, grads: dict[str, torch.Tensor]
+) -> None:
+    """gradstat audit finds each bug; the norms it gives come from float64 sums of squares."""
+    from gradstat.audit import audit_snapshot
+    from gradstat.runner import Place
+
+    report = audit_snapshot(Snapshot.open(generated / sample.BUGS), Place(0, 1))
+    found = {finding.kind: finding for finding in report.findings}
+    assert sorted(found) == sorted(sample.BUG_KINDS)
+
+    def squares(tensor: torch.Tensor) -> float:
+        return float(tensor.double().square().sum())
+
+    true = sum(squares(grad) for grad in grads.values())
+    embedding, layernorm = squares(grads[sample.EMBEDDING]), squares(grads[sample.BUG_LAYERNORM])
+    # As Megatron counts it: the tied embedding twice, and the 0.5 in the padding.
+    counted = true + embedding + 0.25
+    assert rel_err(report.total_norm, math.sqrt(counted)) <= 1e-6
+    expected = {
+        "tp_replicas_differ": counted - layernorm + 2.25 * layernorm,
+        "gtp_padding_nonzero": counted - 0.25,
+        "tied_copy_counted_twice": counted - embedding,
+    }
+    for kind, power in expected.items():
+        norm = found[kind].norm_if_miscounted
+        assert norm is not None and rel_err(norm, math.sqrt(power)) <= 1e-6, kind
+    assert found["tp_replicas_differ"].name == sample.BUG_LAYERNORM
+    assert found["gtp_padding_nonzero"].max_abs_diff == 0.5
+    assert found["tied_copy_counted_twice"].name == sample.OUTPUT_LAYER
