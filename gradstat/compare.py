@@ -66,8 +66,8 @@ class TotalDiff:
     """A whole-model figure in both snapshots."""
 
     measure: str
-    a: float
-    b: float
+    a: float | int  # counts are ints
+    b: float | int
     rel_diff: float
     flagged: bool
 
@@ -131,17 +131,17 @@ def _nan_max(a: float, b: float) -> float:
 
 
 def _totals(stats_a: SnapshotStats, stats_b: SnapshotStats, rtol: float) -> tuple[TotalDiff, ...]:
-    figures = [
+    figures: list[tuple[str, float | int, float | int]] = [
         ("total_norm", stats_a.norm(2.0), stats_b.norm(2.0)),
         ("dense_norm", stats_a.norm(2.0, expert=False), stats_b.norm(2.0, expert=False)),
         ("expert_norm", stats_a.norm(2.0, expert=True), stats_b.norm(2.0, expert=True)),
-        ("num_zeros", float(stats_a.zeros), float(stats_b.zeros)),
-        ("num_elements", float(stats_a.numel), float(stats_b.numel)),
+        ("num_zeros", stats_a.zeros, stats_b.zeros),
+        ("num_elements", stats_a.numel, stats_b.numel),
     ]
     totals = []
     for measure, a, b in figures:
-        diff = rel_diff(a, b)
-        exact = measure.startswith("num_")
+        diff = rel_diff(float(a), float(b))
+        exact = isinstance(a, int)
         flagged = a != b if exact else _beyond(diff, rtol)
         totals.append(TotalDiff(measure, a, b, diff, flagged))
     return tuple(totals)

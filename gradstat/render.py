@@ -164,8 +164,7 @@ def print_compare(console: Console, report: CompareReport, show_all: bool = Fals
     for column in ("A", "B", "rel. diff"):
         totals.add_column(column, justify="right")
     for total in report.totals:
-        exact = total.measure.startswith("num_")
-        a, b = (str(int(x)) if exact else _number(x, 10) for x in (total.a, total.b))
+        a, b = (str(x) if isinstance(x, int) else _number(x, 10) for x in (total.a, total.b))
         diff = _number(total.rel_diff, 3)
         totals.add_row(total.measure, a, b, f"[bold red]{diff}[/]" if total.flagged else diff)
     console.print(totals)
