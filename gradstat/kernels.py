@@ -49,6 +49,13 @@ def check_dtype(grad: Tensor, what: str = "gradient") -> None:
         )
 
 
+def check_dtypes(grads: Sequence[Tensor]) -> None:
+    """check_dtype for each gradient; one set of dtypes to look at in the usual case."""
+    if not {grad.dtype for grad in grads} <= set(SUPPORTED_DTYPES):
+        for grad in grads:
+            check_dtype(grad)
+
+
 def _split_rows(flat: Tensor) -> tuple[Tensor | None, Tensor]:
     """A (rows, ROW) view of the whole rows of ``flat`` (None if there are none), and the tail."""
     whole = flat.numel() - flat.numel() % ROW
@@ -130,7 +137,7 @@ def _foreach_power_sum(grads: Sequence[Tensor], p: int, device: torch.device) ->
     """Sum of |x|^p (p = 1 or 2) from one fused fp32 norm per tensor (CUDA's multi-tensor
     kernel reduces each tensor as a tree of short fp32 partials), combined in float64."""
     total = torch.zeros((), dtype=torch.float64, device=device)
-    for same in _by_dtype_and_device([grad for grad in grads if grad.numel()]):
+    for same in _by_dtype_and_device(grads):
         dtype = torch.float64 if same[0].dtype == torch.float64 else torch.float32
         # One stack and one conversion per group: a conversion per tensor is a launch per
         # tensor, which cost more than the norms themselves (3.5x PyTorch's time on an H200).
@@ -167,8 +174,7 @@ def power_sum(grads: Sequence[Tensor], p: float, device: torch.device) -> Tensor
     Raises:
         GradDtypeError: a gradient of a dtype other than fp32, bf16, fp16 or fp64.
     """
-    for grad in grads:
-        check_dtype(grad)
+    check_dtypes(grads)
     if p not in (1, 2):
         return _exact_power_sum(grads, p, device)
     total = _fast_power_sum(grads, int(p), device)
@@ -183,30 +189,36 @@ def abs_max(grads: Sequence[Tensor], device: torch.device) -> Tensor:
 
     One aminmax pass per tensor: PyTorch's CPU inf-norm (abs, then max) is several times slower.
     """
-    for grad in grads:
-        check_dtype(grad)
-    grads = [grad for grad in grads if grad.numel()]
+    check_dtypes(grads)
     if grads and all(grad.is_cuda for grad in grads):
         # One multi-tensor launch (its max propagates NaN): a launch or four per tensor made
         # the inf norm of a thousand CUDA tensors 12x slower than PyTorch's.
-        group_peaks = [
+        peaks = [
             torch.stack(torch._foreach_norm(same, math.inf)).max().to(device, torch.float64)
             for same in _by_dtype_and_device(grads)
         ]
-        return torch.stack(group_peaks).max()
-    peaks: list[Tensor] = []
-    for grad in grads:
-        low, high = torch.aminmax(grad.reshape(-1))
-        peaks.append(torch.maximum(high, -low).to(device=device, dtype=torch.float64))
+    else:
+        peaks = [_abs_max_one(grad, device) for grad in grads if grad.numel()]
     if not peaks:
         return torch.zeros((), dtype=torch.float64, device=device)
     return torch.stack(peaks).max()
 
 
+def _abs_max_one(grad: Tensor, device: torch.device) -> Tensor:
+    low, high = torch.aminmax(grad.reshape(-1))
+    return torch.maximum(high, -low).to(device=device, dtype=torch.float64)
+
+
 def _by_dtype_and_device(grads: Sequence[Tensor]) -> list[list[Tensor]]:
+    """The non-empty gradients grouped by dtype and device (a multi-tensor kernel's needs)."""
+    if len({grad.dtype for grad in grads}) == 1 and len({grad.get_device() for grad in grads}) == 1:
+        # The usual case, in two set comprehensions: a per-tensor dict costs twice as much.
+        same = [grad for grad in grads if grad.numel()]
+        return [same] if same else []
     groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
     for grad in grads:
-        groups.setdefault((grad.dtype, grad.device), []).append(grad)
+        if grad.numel():
+            groups.setdefault((grad.dtype, grad.device), []).append(grad)
     return list(groups.values())
 
 
