@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -229,7 +229,9 @@ def _attribute_value(tile: Tile, label: str) -> str | None:
     return None if value is None else repr(list(value) if label == "shape" else value)
 
 
-def _attribute_findings(name: str, tiles: Sequence[Tile]) -> list[dict[str, Any]]:
+def _attribute_findings(
+    name: str, tiles: Sequence[Tile], files: MappedFiles
+) -> list[dict[str, Any]]:
     found = []
     for label in (*_AGREED, "shape"):
         values = Counter(_attribute_value(tile, label) for tile in tiles)
@@ -240,13 +242,31 @@ def _attribute_findings(name: str, tiles: Sequence[Tile]) -> list[dict[str, Any]
         odd = [tile for tile in tiles if _attribute_value(tile, label) not in (usual, None)]
         shown = sorted({str(_attribute_value(tile, label)) for tile in odd})
         detail = f"{label} is {', '.join(shown)} on {len(odd)} ranks but {usual} on the others"
-        found.append(_raw("attributes", name, (tile.rank for tile in odd), detail))
+        delta = None if label == "shape" else _recounted(odd, label, tiles, files)
+        ranks = (tile.rank for tile in odd)
+        found.append(_raw("attributes", name, ranks, detail, power_delta=delta))
     first = tiles[0]
     shape, dim = first.local_shape, first.record.attr("partition_dim")
     if first.tp_sharded and shape is not None and not 0 <= dim < len(shape):
         detail = f"tensor-parallel along partition_dim {dim}, but its shape is {list(shape)}"
         found.append(_raw("attributes", name, (tile.rank for tile in tiles), detail))
     return found
+
+
+def _recounted(odd: Sequence[Tile], label: str, tiles: Sequence[Tile], files: MappedFiles) -> float:
+    """Change of the global sum of squares had ``odd`` tiles carried the usual ``label``."""
+    from .analysis import counts
+    from .snapshot import RebuiltParam
+
+    usual = next(tile for tile in tiles if tile not in odd).record.attr(label)
+    delta = 0.0
+    for tile in odd:
+        record = replace(tile.record, attrs={**tile.record.attrs, label: usual})
+        recounted = counts(tile.rank_file, RebuiltParam(record, files.tensor(tile)))
+        if recounted != tile.counted:
+            squares = _squares(files.tensor(tile))
+            delta += squares if recounted else -squares
+    return delta
 
 
 def _identical_shards(
@@ -309,11 +329,11 @@ def _padding(name: str, tiles: Sequence[Tile], files: MappedFiles) -> list[dict[
 
 def _audit_param(tiles: Sequence[Tile], distributed_optimizer: bool, rtol: float) -> list[Any]:
     name, first = tiles[0].name, tiles[0]
-    attributes = _attribute_findings(name, tiles)
-    if attributes:
-        return attributes  # the other checks would compare unlike things
     found = []
     with MappedFiles() as files:
+        attributes = _attribute_findings(name, tiles, files)
+        if attributes:
+            return attributes  # the other checks would compare unlike things
         tp, gtp = first.place("tp")[1], first.place("gtp")[1]
         if not first.tp_sharded and tp > 1:
             what = f"not tensor-parallel, yet its {_axis_label(first, 'tp')} copies differ"

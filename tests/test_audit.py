@@ -240,6 +240,11 @@ def test_attributes_that_disagree_across_ranks(tmp_path: Path) -> None:
     finding = _only_finding(report)
     assert code == 1 and finding["kind"] == "attributes" and finding["name"] == PROJ
     assert finding["ranks"] == [1] and "tensor_model_parallel is False" in finding["detail"]
+    # Rank 1's half, marked replicated on TP rank 1, is dropped as a duplicate: the norm as
+    # counted misses it, and counting it as the other rank's attributes say gives the truth.
+    missing = _squares(full_grads()[PROJ].chunk(2, dim=1)[1])
+    assert rel_err(report["total_norm"], math.sqrt(_true_norm() ** 2 - missing)) <= 1e-6
+    assert rel_err(finding["norm_if_miscounted"], _true_norm()) <= 1e-6
 
 
 def test_partition_dim_outside_the_shape(tmp_path: Path) -> None:
