@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -91,22 +92,28 @@ def test_nccl_single_rank_reduction(tmp_path: Path) -> None:
     assert float(second) == 0.0
 
 
+def _cli_json(args: list[str], device: str) -> Any:
+    """The CLI's JSON document for ``args`` on ``device`` (it must exit 0)."""
+    import json
+
+    result = subprocess.run(
+        [sys.executable, "-m", "gradstat", *args, "--json", "--device", device],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
 def test_cli_on_cuda_prints_what_cpu_prints() -> None:
     """--device cuda reduces each tensor on the GPU; the numbers match the CPU's to 1e-6."""
-    import json
 
     sample = Path(__file__).resolve().parent.parent / "sample_data" / "gtp2-pp2-dp2-ep2"
     reports = {}
     for device in ("cpu", "cuda"):
-        result = subprocess.run(
-            [sys.executable, "-m", "gradstat", "norm", str(sample), "--json", "--device", device],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
-        assert result.returncode == 0, result.stderr
-        reports[device] = json.loads(result.stdout)
+        reports[device] = _cli_json(["norm", str(sample)], device)
     assert rel_err(reports["cuda"]["total_norm"], reports["cpu"]["total_norm"]) <= 1e-6
     cpu_rows = {row["name"]: row["norm"] for row in reports["cpu"]["params"]}
     for row in reports["cuda"]["params"]:
@@ -114,7 +121,6 @@ def test_cli_on_cuda_prints_what_cpu_prints() -> None:
 
 
 def test_compare_and_audit_on_cuda_find_what_cpu_finds() -> None:
-    import json
 
     samples = Path(__file__).resolve().parent.parent / "sample_data"
     runs = {
@@ -124,15 +130,7 @@ def test_compare_and_audit_on_cuda_find_what_cpu_finds() -> None:
     for command, inputs in runs.items():
         reports = {}
         for device in ("cpu", "cuda"):
-            result = subprocess.run(
-                [sys.executable, "-m", "gradstat", command, *inputs, "--json", "--device", device],
-                capture_output=True,
-                text=True,
-                timeout=300,
-                check=False,
-            )
-            assert result.returncode == 0, result.stderr
-            reports[device] = json.loads(result.stdout)
+            reports[device] = _cli_json([command, *inputs], device)
         cpu, cuda = reports["cpu"], reports["cuda"]
         if command == "compare":
             assert cuda["mismatches"] == cpu["mismatches"] == []
