@@ -5,7 +5,9 @@ tensor TP-sharded so that every byte counts, then times, alternately and each in
 process so that peak RSS is its own:
 
 - peer: open each file with ``safetensors.safe_open`` and sum each tensor once;
-- ours: ``Snapshot.open`` (validation) + ``snapshot_stats`` (L2 norm and zero count).
+- ours: ``Snapshot.open`` (validation) + ``snapshot_stats`` (L2 norm and zero count); with
+  ``--command audit``, ``audit_snapshot``; with ``--command compare``, ``compare_snapshots`` of
+  the snapshot against itself (two reductions and every tensor rebuilt twice).
 
 Prints the median of per-repeat time ratios ours/peer, the ratio of the fastest times, and each
 side's peak RSS against the snapshot's size. The files stay in the page cache between runs
@@ -14,6 +16,7 @@ side's peak RSS against the snapshot's size. The files stay in the page cache be
 Usage::
 
     python benchmarks/bench_snapshot.py [--gib 4] [--ranks 8] [--repeats 5] [--dir PATH]
+        [--command norm|audit|compare]
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+SIDES = ("peer", "ours", "audit", "compare")
 _SHAPES = ((4096, 1024), (1024, 1024), (2048, 768), (512, 4096), (8192, 512))
 
 
@@ -64,6 +68,9 @@ def measure(side: str, directory: Path) -> dict[str, float]:
     from safetensors import safe_open
 
     from gradstat.analysis import snapshot_stats
+    from gradstat.audit import audit_snapshot
+    from gradstat.compare import compare_snapshots
+    from gradstat.runner import Place
     from gradstat.snapshot import Snapshot
 
     start = time.perf_counter()
@@ -74,6 +81,12 @@ def measure(side: str, directory: Path) -> dict[str, float]:
                 for key in file.keys():  # noqa: SIM118 (safe_open is not iterable)
                     total += float(file.get_tensor(key).sum())
         result = total
+    elif side == "audit":
+        result = audit_snapshot(Snapshot.open(directory), Place(0, 1)).total_norm
+    elif side == "compare":
+        snapshot = Snapshot.open(directory)
+        report = compare_snapshots(snapshot, snapshot, Place(0, 1))
+        result = float(len(report.mismatches))
     else:
         stats = snapshot_stats(Snapshot.open(directory), (2.0,))
         result = stats.norm(2) + stats.zeros
@@ -120,7 +133,10 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", type=Path, default=None, help="keep the snapshot here")
-    parser.add_argument("--measure", choices=("peer", "ours"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--command", choices=("norm", "audit", "compare"), default="norm", help="what ours runs"
+    )
+    parser.add_argument("--measure", choices=SIDES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
         print(json.dumps(measure(args.measure, args.dir)))
@@ -134,10 +150,11 @@ def main() -> int:
             )
             write_snapshot(directory, args.gib, args.ranks)
         size = sum(path.stat().st_size for path in directory.glob("*.safetensors"))
-        _run("peer", directory), _run("ours", directory)  # warm the page cache
+        mine = "ours" if args.command == "norm" else args.command
+        _run("peer", directory), _run(mine, directory)  # warm the page cache
         peers, ours = [], []
         for repeat in range(args.repeats):
-            order = ("peer", "ours") if repeat % 2 == 0 else ("ours", "peer")
+            order = ("peer", mine) if repeat % 2 == 0 else (mine, "peer")
             for side in order:
                 (peers if side == "peer" else ours).append(_run(side, directory))
         ratios = [o["seconds"] / p["seconds"] for o, p in zip(ours, peers, strict=True)]
@@ -147,7 +164,8 @@ def main() -> int:
         gib = 1 << 30
         print(
             f"torch {torch.__version__}, {torch.get_num_threads()} threads, snapshot "
-            f"{size / gib:.2f} GiB in {args.ranks} rank files, {args.repeats} repeats\n"
+            f"{size / gib:.2f} GiB in {args.ranks} rank files, {args.repeats} repeats, "
+            f"ours: gradstat {args.command}\n"
         )
         print("| measure | ours | peer (safe_open + sum) | ours/peer |")
         print("|---|---:|---:|---:|")

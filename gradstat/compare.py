@@ -10,16 +10,18 @@ norms cannot, such as TP shards in the wrong order.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from .analysis import ParamStats, Request, SnapshotStats, merge
 from .report import SnapshotInfo, jsonable, snapshot_info
 from .runner import Place, gather_jobs, gather_pieces
 from .snapshot import Snapshot
-from .tiles import MappedFiles, Tile, assemble, chunks, plan, snapshot_tiles
+from .tiles import MappedFiles, Tile, assemble, chunks, plan, segments, snapshot_tiles
 
 __all__ = ["CompareReport", "ParamDiff", "TotalDiff", "compare_snapshots", "rel_diff"]
 
@@ -111,9 +113,37 @@ def _elementwise(tiles_a: list[Tile], tiles_b: list[Tile]) -> dict[str, Any]:
         result["not_rebuilt"] = "the full shapes differ"
         return result
     with MappedFiles() as files_a, MappedFiles() as files_b:
-        full_a, full_b = assemble(plan_a, files_a), assemble(plan_b, files_b)
+        # Flat views of the mapped tiles where the layout allows it; else one rebuilt tensor.
+        pieces_a, pieces_b = (
+            segments(layout, files) or [assemble(layout, files).reshape(-1)]
+            for layout, files in ((plan_a, files_a), (plan_b, files_b))
+        )
+        result["max_abs_diff"], result["scale"] = _largest_difference(pieces_a, pieces_b)
+        del pieces_a, pieces_b  # they view the maps, which close with the block
+    return result
+
+
+def _aligned(pieces_a: list[Tensor], pieces_b: list[Tensor]) -> Iterator[tuple[Tensor, Tensor]]:
+    """Equally long slices of two sequences of flat tensors that hold the same elements."""
+    index_a = index_b = offset_a = offset_b = 0
+    while index_a < len(pieces_a) and index_b < len(pieces_b):
+        piece_a, piece_b = pieces_a[index_a], pieces_b[index_b]
+        length = min(piece_a.numel() - offset_a, piece_b.numel() - offset_b)
+        yield piece_a[offset_a : offset_a + length], piece_b[offset_b : offset_b + length]
+        offset_a, offset_b = offset_a + length, offset_b + length
+        if offset_a == piece_a.numel():
+            index_a, offset_a = index_a + 1, 0
+        if offset_b == piece_b.numel():
+            index_b, offset_b = index_b + 1, 0
+
+
+def _largest_difference(pieces_a: list[Tensor], pieces_b: list[Tensor]) -> tuple[float, float]:
+    """max |a - b| (NaN where only one side is NaN) and the largest |element| of either."""
+    pairs = list(_aligned(pieces_a, pieces_b))
+    if all(a.dtype == b.dtype and torch.equal(a, b) for a, b in pairs):
+        return 0.0, 0.0  # the usual case, in one pass (the scale matters only for a difference)
     largest_diff, largest = 0.0, 0.0
-    for block_a, block_b in chunks(full_a.view(-1), full_b.view(-1)):
+    for block_a, block_b in (block for a, b in pairs for block in chunks(a, b)):
         wide_a, wide_b = block_a.double(), block_b.double()
         both_nan = wide_a.isnan() & wide_b.isnan()
         diff = (wide_a - wide_b).abs_().masked_fill_(both_nan, 0.0)
@@ -122,8 +152,7 @@ def _elementwise(tiles_a: list[Tile], tiles_b: list[Tile]) -> dict[str, Any]:
         for block in (wide_a, wide_b):
             if block.numel():
                 largest = max(largest, float(block.abs().nan_to_num_(0.0).max()))
-    result["max_abs_diff"], result["scale"] = largest_diff, largest
-    return result
+    return largest_diff, largest
 
 
 def _nan_max(a: float, b: float) -> float:

@@ -35,6 +35,7 @@ __all__ = [
     "assemble",
     "chunks",
     "plan",
+    "segments",
     "snapshot_tiles",
 ]
 
@@ -269,28 +270,64 @@ class MappedFiles:
 
 
 def assemble(layout: Plan, files: MappedFiles) -> Tensor:
-    """The parameter's full gradient, rebuilt from its tiles (GTP padding stripped)."""
+    """The parameter's full gradient, rebuilt from its tiles (GTP padding stripped).
+
+    It may be a read-only view of a mapped file: use it inside the ``files`` block only.
+    """
+    if not math.prod(layout.local_shape):
+        return torch.empty(layout.full_shape, dtype=layout.dtype)
+    if layout.tp_size == 1:
+        return _tp_local(layout, layout.tiles, files)
     full = torch.empty(layout.full_shape, dtype=layout.dtype)
-    numel = math.prod(layout.local_shape)
-    if not numel:
-        return full
     by_tp: dict[int, list[Tile]] = defaultdict(list)
     for tile in layout.tiles:
         by_tp[_shard(tile, layout.tp_size, layout.gtp_size)[0]].append(tile)
+    size = layout.tp_local_shape[layout.partition_dim]
     for tp_rank, tiles in sorted(by_tp.items()):
-        padded = torch.empty(layout.gtp_size * numel, dtype=layout.dtype)
-        for tile in tiles:
-            base = _shard(tile, layout.tp_size, layout.gtp_size)[1] * numel
-            assert tile.start is not None and tile.stop is not None
-            padded[base + tile.start : base + tile.stop].copy_(files.tensor(tile))
-        rows = layout.gtp_size * layout.local_shape[0] if layout.local_shape else 1
-        local = padded.view(rows, -1)[: layout.local_rows].reshape(layout.tp_local_shape)
-        if layout.tp_size == 1:
-            full.copy_(local)
-        else:
-            size = layout.tp_local_shape[layout.partition_dim]
-            full.narrow(layout.partition_dim, tp_rank * size, size).copy_(local)
+        local = _tp_local(layout, tiles, files)
+        full.narrow(layout.partition_dim, tp_rank * size, size).copy_(local)
     return full
+
+
+def segments(layout: Plan, files: MappedFiles) -> list[Tensor] | None:
+    """The full gradient's elements in order, as flat views of the mapped tiles (no copy).
+
+    Possible when the shards concatenate along dim 0 (column-parallel TP, GTP, fragments, or
+    no split), which is then the flat order too; None for other TP splits: assemble those.
+    """
+    if layout.tp_size > 1 and layout.partition_dim != 0:
+        return None
+    numel = math.prod(layout.local_shape)
+    rows = layout.local_shape[0] if layout.local_shape else 1
+    kept = layout.local_rows * (numel // rows if rows else 0)  # before the padding
+    found: list[tuple[int, int, Tensor]] = []
+    for tile in layout.tiles:
+        tp_rank, gtp_rank = _shard(tile, layout.tp_size, layout.gtp_size)
+        assert tile.start is not None
+        start = gtp_rank * numel + tile.start
+        length = min(tile.record.numel, kept - start)
+        if length > 0:
+            found.append((tp_rank, start, files.tensor(tile)[:length]))
+    found.sort(key=lambda item: item[:2])
+    return [tensor for _, _, tensor in found]
+
+
+def _tp_local(layout: Plan, tiles: Sequence[Tile], files: MappedFiles) -> Tensor:
+    """One TP rank's tensor: its GTP shards (or fragments) in place, the padding cut off."""
+    numel = math.prod(layout.local_shape)
+    whole = tiles[0]
+    if len(tiles) == 1 and layout.gtp_size == 1 and not layout.pad_length and whole.start == 0:
+        tensor = files.tensor(whole)
+        if tensor.dtype == layout.dtype:
+            return tensor.view(layout.tp_local_shape)  # the mapped tensor itself: no copy
+    padded = torch.empty(layout.gtp_size * numel, dtype=layout.dtype)
+    for tile in tiles:
+        base = _shard(tile, layout.tp_size, layout.gtp_size)[1] * numel
+        assert tile.start is not None and tile.stop is not None
+        padded[base + tile.start : base + tile.stop].copy_(files.tensor(tile))
+    rows = layout.gtp_size * layout.local_shape[0] if layout.local_shape else 1
+    # A contiguous prefix of the padded rows: a view, not a copy.
+    return padded.view(rows, -1)[: layout.local_rows].reshape(layout.tp_local_shape)
 
 
 def chunks(*tensors: Tensor, size: int = 1 << 22) -> Iterator[tuple[Tensor, ...]]:
