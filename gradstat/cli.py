@@ -39,6 +39,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",  # docstring lines join into paragraphs, as in the source
 )
 
 SnapshotArg = Annotated[
