@@ -32,10 +32,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .analysis import Request, merge, nan_max
+from .analysis import Request, counts, merge, nan_max
 from .report import SnapshotInfo, jsonable, snapshot_info
 from .runner import Place, gather_jobs, gather_pieces
-from .snapshot import Snapshot
+from .snapshot import RebuiltParam, Snapshot
 from .tiles import MappedFiles, Tile, chunks, snapshot_tiles
 
 __all__ = ["KINDS", "AuditReport", "Finding", "audit_snapshot"]
@@ -251,7 +251,10 @@ def _attribute_findings(
         odd = [tile for tile in tiles if _attribute_value(tile, label) not in (usual, None)]
         shown = sorted({str(_attribute_value(tile, label)) for tile in odd})
         detail = f"{label} is {', '.join(shown)} on {len(odd)} ranks but {usual} on the others"
-        delta = None if label == "shape" else _recounted(odd, label, tiles, files)
+        delta = None
+        if label != "shape":
+            held = next(tile for tile in tiles if _attribute_value(tile, label) == usual)
+            delta = _recounted(odd, label, held.record.attr(label), files)
         ranks = (tile.rank for tile in odd)
         found.append(_raw("attributes", name, ranks, detail, power_delta=delta))
     first = tiles[0]
@@ -262,12 +265,8 @@ def _attribute_findings(
     return found
 
 
-def _recounted(odd: Sequence[Tile], label: str, tiles: Sequence[Tile], files: MappedFiles) -> float:
+def _recounted(odd: Sequence[Tile], label: str, usual: Any, files: MappedFiles) -> float:
     """Change of the global sum of squares had ``odd`` tiles carried the usual ``label``."""
-    from .analysis import counts
-    from .snapshot import RebuiltParam
-
-    usual = next(tile for tile in tiles if tile not in odd).record.attr(label)
     delta = 0.0
     for tile in odd:
         record = replace(tile.record, attrs={**tile.record.attrs, label: usual})

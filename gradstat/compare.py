@@ -97,8 +97,7 @@ def _elementwise(tiles_a: list[Tile], tiles_b: list[Tile]) -> dict[str, Any]:
     """Rebuild one parameter on both sides and measure their largest elementwise difference."""
     name = tiles_a[0].name
     plans = plan(name, tiles_a), plan(name, tiles_b)
-    result: dict[str, Any] = {"shape_a": None, "shape_b": None, "max_abs_diff": None}
-    result["scale"] = None
+    result: dict[str, Any] = {"shape_a": None, "shape_b": None, "max_abs_diff": None, "scale": None}
     reasons = []
     for side, found in zip("ab", plans, strict=True):
         if isinstance(found, str):

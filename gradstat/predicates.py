@@ -15,6 +15,7 @@ from .groups import RankLike, group_rank, group_size
 
 __all__ = [
     "gtp_local_pad_zero_count",
+    "gtp_pad_start",
     "gtp_pad_zero_count",
     "is_expert",
     "param_is_not_gtp_duplicate",
@@ -103,10 +104,18 @@ def gtp_local_pad_zero_count(gtp_shard: Any, range_start: int, range_end: int) -
             f"{_param_label(gtp_shard)}: pad_length {pad_length} exceeds the {padded_rows} rows "
             f"of the padded tensor ({rows} rows x GTP size {gtp_size})"
         )
-    row_numel = numel // rows
-    first_pad_row = min(max(padded_rows - pad_length - gtp_rank * rows, 0), rows)
-    pad_start = first_pad_row * row_numel
+    pad_start = gtp_pad_start(rows, numel // rows, pad_length, gtp_rank, gtp_size)
     return max(0, min(range_end, numel) - max(range_start, pad_start))
+
+
+def gtp_pad_start(rows: int, row_numel: int, pad_length: int, gtp_rank: int, gtp_size: int) -> int:
+    """The first flat element of a GTP shard that is padding (``rows * row_numel``: none).
+
+    The padded tensor has ``rows * gtp_size`` rows, the last ``pad_length`` of them padding;
+    the shard of ``gtp_rank`` holds rows ``[gtp_rank * rows, (gtp_rank + 1) * rows)``.
+    """
+    first_pad_row = min(max(rows * gtp_size - pad_length - gtp_rank * rows, 0), rows)
+    return first_pad_row * row_numel
 
 
 def gtp_pad_zero_count(param: Any, grad: Any) -> int:

@@ -23,6 +23,8 @@ from types import TracebackType
 import torch
 from torch import Tensor
 
+from .analysis import counts
+from .predicates import gtp_pad_start
 from .snapshot import RankFile, Snapshot
 from .snapshot.container import mapped
 from .snapshot.format import DTYPES, ParamRecord
@@ -112,17 +114,14 @@ class Tile:
         shape, pad_length = self.local_shape, int(self.record.attr("pad_length") or 0)
         if not self.gtp_sharded or not pad_length or not shape:
             return None
-        rows = shape[0]
-        gtp_rank, gtp_size = self.place("gtp")
-        first_pad_row = min(max(rows * gtp_size - pad_length - gtp_rank * rows, 0), rows)
-        row_numel = math.prod(shape[1:])
-        return (first_pad_row * row_numel, rows * row_numel) if first_pad_row < rows else None
+        rows, row_numel = shape[0], math.prod(shape[1:])
+        start = gtp_pad_start(rows, row_numel, pad_length, *self.place("gtp"))
+        end = rows * row_numel
+        return (start, end) if start < end else None
 
 
 def snapshot_tiles(snapshot: Snapshot) -> dict[str, list[Tile]]:
     """Every tensor of the snapshot as a tile, by parameter name (first-seen order), rank order."""
-    from .analysis import counts
-
     tiles: dict[str, list[Tile]] = {}
     for rank_file in snapshot.files:
         # Mapping reads no gradient: the filters look at attributes, coordinates and shapes.

@@ -12,13 +12,12 @@ parameter's name. ``__metadata__["gradstat"]`` holds a JSON document (format ver
                  "param_shape": [...], "attrs": {...}, "dtensor": null | {...}}, ...]}
 
 ``attrs`` holds every attribute the statistics depend on (see ``ATTRIBUTE_DEFAULTS``);
-``gtp_group`` is the GTP group's ``[rank, size]``. A distributed-optimizer fragment may say where
-it lies: ``fragment_offset`` (its first element in the flattened local parameter) and
+``gtp_group`` is the GTP group's ``[rank, size]``. A distributed-optimizer fragment may say
+where it lies: ``fragment_offset`` (its first element in the flattened local parameter) and
 ``fragment_shape`` (that parameter's shape); ``gradstat compare`` and ``audit`` need them to
-place fragments. ``dtensor`` records a DTensor gradient's
-mesh: ``{"mesh_shape": [...], "coordinate": [...], "placements": ["S(0)", "R"],
-"global_shape": [...]}``. A parameter whose gradient is None has ``"grad": false`` and no
-tensor in the file.
+place fragments. ``dtensor`` records a DTensor gradient's mesh: ``{"mesh_shape": [...],
+"coordinate": [...], "placements": ["S(0)", "R"], "global_shape": [...]}``. A parameter whose
+gradient is None has ``"grad": false`` and no tensor in the file.
 """
 
 from __future__ import annotations
