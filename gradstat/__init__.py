@@ -21,6 +21,7 @@ if TYPE_CHECKING:
         param_is_not_gtp_duplicate,
         param_is_not_shared,
         param_is_not_tensor_parallel_duplicate,
+        total_norm,
     )
     from .errors import GradstatError
     from .groups import AxisPlace
@@ -34,6 +35,7 @@ _LAZY = {
     "param_is_not_gtp_duplicate": "clip_grads",
     "param_is_not_shared": "clip_grads",
     "param_is_not_tensor_parallel_duplicate": "clip_grads",
+    "total_norm": "clip_grads",
     "GradstatError": "errors",
     "AxisPlace": "groups",
 }
@@ -50,6 +52,7 @@ __all__ = [
     "param_is_not_gtp_duplicate",
     "param_is_not_shared",
     "param_is_not_tensor_parallel_duplicate",
+    "total_norm",
 ]
 
 

@@ -1,10 +1,12 @@
 """Statistics of a snapshot: each logical parameter once, aggregated over shards and fragments.
 
-A rank file's tensor counts when the core's filters keep it for its own rank (not shared, not a
-TP/ETP or GTP/EGTP duplicate) and it is not a data-parallel replica: with a plain optimizer only
-data-parallel rank 0 (context-parallel rank 0 too; expert-data-parallel rank 0 for expert
-params) counts, with the distributed optimizer every rank's fragments do. DTensor gradients
-count once per Replicate mesh dimension.
+A plain tensor of a rank file counts when the core's filters keep it for its own rank (not
+shared, not a TP/ETP or GTP/EGTP duplicate) and it is not a data-parallel replica: with a plain
+optimizer only data-parallel rank 0 (context-parallel rank 0 too; expert-data-parallel rank 0
+for expert params) counts, with the distributed optimizer every rank's fragments do. A DTensor
+gradient counts by its placements alone (:mod:`gradstat.placements`): Shard pieces all count,
+Replicate copies and copies along the root mesh once; coordinates and the optimizer flag do not
+change that.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import torch
 
 from . import kernels, native
 from .clip_grads import check_norm_type, grads_for_norm
-from .predicates import gtp_pad_zero_count
+from .errors import SnapshotError
+from .predicates import gtp_pad_zero_count, param_is_not_shared
 from .snapshot import RankFile, RebuiltParam, Snapshot
 
 __all__ = [
@@ -119,8 +122,17 @@ def counts(rank_file: RankFile, param: RebuiltParam) -> bool:
     record = param.record
     if not record.has_grad:
         return False
-    if record.dtensor is not None and record.dtensor.is_replica():
-        return False
+    if record.dtensor is not None:
+        # Placements decide, whatever the coordinates and the optimizer flag say.
+        partial = record.dtensor.partial_dims()
+        if partial:
+            raise SnapshotError(
+                f"{rank_file.path}: parameter {record.name!r} is Partial on mesh dimension "
+                f"{partial[0]!r}: a gradient pending its reduction has no norm; dump it after "
+                "the gradients are reduced"
+            )
+        tensor_parallel = bool(record.attr("tensor_model_parallel"))
+        return param_is_not_shared(param) and not record.dtensor.is_replica(tensor_parallel)
     if record.attr("fsdp_param"):
         return True
     kept = grads_for_norm(

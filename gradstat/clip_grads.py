@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -18,7 +18,17 @@ from torch import Tensor
 
 from . import kernels
 from .errors import GradDtypeError, NormTypeError
-from .groups import RankLike, all_reduce, dtensor_stats_group, stats_device, to_local
+from .groups import (
+    MeshShards,
+    RankLike,
+    all_reduce,
+    group_ranks,
+    is_dtensor,
+    reduce_over_mesh,
+    split_by_mesh,
+    stats_device,
+    to_local,
+)
 from .predicates import (
     gtp_local_pad_zero_count,
     param_is_not_gtp_duplicate,
@@ -37,6 +47,7 @@ __all__ = [
     "param_is_not_gtp_duplicate",
     "param_is_not_shared",
     "param_is_not_tensor_parallel_duplicate",
+    "total_norm",
 ]
 
 _TensorOrList = Tensor | Iterable[Tensor]
@@ -63,13 +74,83 @@ def check_norm_type(norm_type: Any) -> float:
     )
 
 
-def _dtensor_group(grads: list[Tensor]) -> dist.ProcessGroup | None:
-    """The DTensor mesh group of the gradients, as Megatron picks it (the last one found)."""
-    group = None
-    for grad in grads:
-        if type(grad) is not Tensor:  # a plain tensor is no DTensor: skip the slower check
-            group = dtensor_stats_group(grad) or group
-    return group
+def _stat(
+    grads: list[Tensor],
+    compute: Callable[[list[Tensor], torch.device], Tensor],
+    op: dist.ReduceOp.RedOpType,
+    group: dist.ProcessGroup | None,
+    *,
+    megatron: bool,
+    tensor_parallel: Sequence[bool] | None = None,
+    plain_offset: int = 0,
+) -> Tensor:
+    """One statistic of ``grads``, each element counted once, reduced over their ranks.
+
+    Plain gradients count as they are and their statistic is reduced over ``group``. DTensor
+    gradients count by placement (see :mod:`gradstat.placements`), reduced over their mesh,
+    then over ``group`` without counting a rank the mesh reduction already covered.
+
+    Args:
+        megatron: Megatron's semantics: ``group`` None is the default group, and only a
+            DTensor's own placements decide (attribute filters removed its other copies). Else
+            ``group`` None is no group (plain gradients are data-parallel replicas), and copies
+            along the root mesh are counted once.
+        plain_offset: added to this rank's own statistic before any reduction (the GTP
+            padding a zero count leaves out).
+    """
+    with torch.no_grad():
+        plain, meshes = grads, list[MeshShards]()
+        if any(type(grad) is not Tensor and is_dtensor(grad) for grad in grads):
+            plain, meshes = split_by_mesh(grads, tensor_parallel, root=not megatron)
+        reduces_later = megatron or group is not None
+        later = group_ranks(group, default_world=megatron)
+        every = plain + [shard for bucket in meshes for shard in bucket.shards]
+        mesh_groups = [bucket.mesh.get_group(mesh_dim=0) for bucket in meshes]
+        device = stats_device(every, *mesh_groups, group if reduces_later else None)
+        stat = compute(plain, device)
+        if plain_offset:
+            stat = stat + plain_offset
+        # Every rank joins the reductions, also one with no gradients: skipping would hang.
+        for bucket in meshes:
+            part = reduce_over_mesh(compute(bucket.shards, device), op, bucket.mesh, later)
+            stat = torch.maximum(stat, part) if op == dist.ReduceOp.MAX else stat + part
+    if reduces_later:
+        all_reduce(stat, op, group)
+    return stat
+
+
+def _norm(
+    grads: list[Tensor],
+    p: float,
+    group: dist.ProcessGroup | None,
+    *,
+    megatron: bool,
+    tensor_parallel: Sequence[bool] | None = None,
+) -> float:
+    if p == math.inf:
+        stat = _stat(
+            grads,
+            kernels.abs_max,
+            dist.ReduceOp.MAX,
+            group,
+            megatron=megatron,
+            tensor_parallel=tensor_parallel,
+        )
+        return float(stat)
+
+    def power_sum(tensors: list[Tensor], device: torch.device) -> Tensor:
+        return kernels.power_sum(tensors, p, device)
+
+    stat = _stat(
+        grads,
+        power_sum,
+        dist.ReduceOp.SUM,
+        group,
+        megatron=megatron,
+        tensor_parallel=tensor_parallel,
+    )
+    total = float(stat)
+    return math.sqrt(total) if p == 2 else total ** (1.0 / p)
 
 
 def get_grad_norm_fp32(
@@ -79,14 +160,17 @@ def get_grad_norm_fp32(
 ) -> float:
     """The p-norm of all gradients, treated as one vector, reduced over the stats group.
 
-    Each rank computes sum |x|^p of its own gradients (max |x| for inf) in float64, sums it over
-    a DTensor's mesh group when the gradients are DTensors, then over
-    ``grad_stats_parallel_group``, and takes the p-th root. Callers pass only the gradients that
-    count (see :func:`grads_for_norm`).
+    Each rank computes sum |x|^p of its own gradients (max |x| for inf) in float64, reduces it
+    over ``grad_stats_parallel_group`` and takes the p-th root. Callers pass only the
+    gradients that count (see :func:`grads_for_norm`). DTensor gradients count by their own
+    placements on any mesh (Shard pieces all, Replicate copies once) and are reduced over their
+    mesh first, unless the stats group covers the mesh: a mesh rank is never counted twice.
+    A module left out of a TP plan lives on a slice of the mesh and is a copy on every TP
+    rank: select it on TP rank 0 only, or use :func:`total_norm`, which sees the whole mesh.
 
     Args:
         grads_for_norm: a tensor or an iterable of tensors (fp32, bf16, fp16 or fp64; DTensors
-            contribute their local shard).
+            on any meshes).
         norm_type: 2, 1, ``math.inf`` or any finite p > 0.
         grad_stats_parallel_group: the group the statistics are reduced over. None: the default
             group when torch.distributed is initialized, no reduction otherwise.
@@ -97,27 +181,48 @@ def get_grad_norm_fp32(
     Raises:
         NormTypeError: an unsupported ``norm_type``.
         GradDtypeError: a gradient of an unsupported dtype.
+        PartialGradientError: a DTensor gradient still Partial on a mesh dimension.
     """
     p = check_norm_type(norm_type)
-    grads = _as_list(grads_for_norm)
-    mesh_group = _dtensor_group(grads)
-    # no_grad rather than a detach per tensor: with a thousand CUDA tensors the detaches cost
-    # more than the norm kernel.
-    with torch.no_grad():
-        local_grads = [to_local(grad) for grad in grads] if mesh_group is not None else grads
-        device = stats_device(local_grads, mesh_group, grad_stats_parallel_group)
-        if p == math.inf:
-            stat, op = kernels.abs_max(local_grads, device), dist.ReduceOp.MAX
-        else:
-            stat, op = kernels.power_sum(local_grads, p, device), dist.ReduceOp.SUM
-    # Every rank joins the reductions, also one with no gradients: skipping would hang the rest.
-    if mesh_group is not None:
-        all_reduce(stat, op, mesh_group)
-    all_reduce(stat, op, grad_stats_parallel_group)
-    total = float(stat)
-    if p == math.inf:
-        return total
-    return math.sqrt(total) if p == 2 else total ** (1.0 / p)
+    return _norm(_as_list(grads_for_norm), p, grad_stats_parallel_group, megatron=True)
+
+
+def total_norm(
+    parameters: _Params,
+    norm_type: float = 2,
+    *,
+    group: dist.ProcessGroup | None = None,
+) -> float:
+    """The p-norm of a torch-native job's full gradients, with no group to work out.
+
+    For FSDP2, HSDP, TP (with or without sequence parallelism) x FSDP2, DDP and single-device
+    jobs: DTensor gradients count by placement over their whole mesh (Shard pieces all,
+    Replicate copies once, a module left out of a TP plan once), plain gradients as data-parallel
+    replicas (each rank's copy is the full gradient), exactly (float64 partials).
+
+    Args:
+        parameters: parameters (their ``.grad``; those without one are skipped) or gradient
+            tensors, in any mix of meshes.
+        norm_type: 2, 1, ``math.inf`` or any finite p > 0.
+        group: ranks that hold different parameters and no mesh joins, such as pipeline
+            stages: their statistics are summed too. None: none.
+
+    Returns:
+        The norm as a Python float, the same on every rank.
+
+    Raises:
+        NormTypeError: an unsupported ``norm_type``.
+        GradDtypeError: a gradient of an unsupported dtype.
+        PartialGradientError: a DTensor gradient still Partial on a mesh dimension.
+    """
+    p = check_norm_type(norm_type)
+    grads, tensor_parallel = [], []
+    for item in _as_list(parameters):
+        grad = item.grad if isinstance(item, torch.nn.Parameter) else item
+        if grad is not None:
+            grads.append(grad)
+            tensor_parallel.append(bool(getattr(item, "tensor_model_parallel", False)))
+    return _norm(grads, p, group, megatron=False, tensor_parallel=tensor_parallel)
 
 
 def _grads_of(parameters: _Params, use_decoupled_grad: bool) -> list[Tensor]:
@@ -251,33 +356,37 @@ def count_zeros_fp32(
     attr = "decoupled_grad" if use_decoupled_grad else "grad"
     tp_groups, gtp_groups = (tp_group, expert_tp_group), (gtp_group, expert_gtp_group)
     counted: list[Tensor] = []
-    numel = pad_zeros = 0
-    mesh_group = None
-    uses_megatron_fsdp = False
+    fsdp_shards: list[Tensor] = []
+    pad_zeros = 0
     for param in _as_list(parameters):
         grad = getattr(param, attr, None)
         if grad is None:
             continue
         if getattr(param, "__fsdp_param__", False):
-            uses_megatron_fsdp = True
-            local = to_local(grad).detach()
+            fsdp_shards.append(to_local(grad).detach())
         elif _counts(param, tp_groups, gtp_groups):
-            mesh_group = dtensor_stats_group(grad) or mesh_group
-            local = to_local(grad).detach()
-            pad_zeros += _gtp_pad_zero_count(param, local)
+            pad_zeros += _gtp_pad_zero_count(param, to_local(grad))
+            counted.append(grad.detach())
         else:
             continue
-        kernels.check_dtype(local)
-        counted.append(local)
-        numel += local.numel()
-    if uses_megatron_fsdp and mesh_group is not None:
+        kernels.check_dtype(to_local(grad))
+    if fsdp_shards and any(is_dtensor(grad) for grad in counted):
         raise ValueError(
             "Megatron-FSDP params (__fsdp_param__) are mixed with DTensor gradients that need a "
             "data-parallel reduction; FSDP has already reduced its gradients over DP"
         )
-    device = stats_device(counted, mesh_group, grad_stats_parallel_group)
-    zeros = numel - pad_zeros - kernels.nonzero_count(counted, device)
-    if mesh_group is not None:
-        all_reduce(zeros, dist.ReduceOp.SUM, mesh_group)
-    all_reduce(zeros, dist.ReduceOp.SUM, grad_stats_parallel_group)
-    return float(int(zeros))
+
+    def zero_count(tensors: list[Tensor], device: torch.device) -> Tensor:
+        numel = sum(tensor.numel() for tensor in tensors)
+        return numel - kernels.nonzero_count(tensors, device)
+
+    # Megatron-FSDP shards are counted as they are, like plain tensors; the padding too.
+    stats = _stat(
+        fsdp_shards + counted,
+        zero_count,
+        dist.ReduceOp.SUM,
+        grad_stats_parallel_group,
+        megatron=True,
+        plain_offset=-pad_zeros,
+    )
+    return float(int(stats))

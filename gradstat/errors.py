@@ -21,3 +21,7 @@ class AttributeMismatchError(GradstatError, ValueError):
 
 class SnapshotError(GradstatError):
     """A snapshot that cannot be read or trusted; the message names the file and the problem."""
+
+
+class PartialGradientError(GradstatError, ValueError):
+    """A DTensor gradient that is Partial: still pending its reduction, it has no norm yet."""

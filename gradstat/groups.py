@@ -6,12 +6,16 @@ The same code runs on one rank or many. Outside an initialized process group a r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from .errors import PartialGradientError
+from .placements import MeshPlacement, describe, root_mesh
 
 try:
     from torch.distributed.tensor import DTensor
@@ -22,11 +26,16 @@ except ImportError:  # a torch built without distributed support has no DTensor
 
 __all__ = [
     "AxisPlace",
+    "MeshShards",
+    "PartialGradientError",
     "RankLike",
     "all_reduce",
-    "dtensor_stats_group",
     "group_rank",
+    "group_ranks",
     "group_size",
+    "is_dtensor",
+    "reduce_over_mesh",
+    "split_by_mesh",
     "stats_device",
     "to_local",
 ]
@@ -133,25 +142,104 @@ def _as_dtensor(grad: Tensor) -> DTensor | None:
     return grad if _HAVE_DTENSOR and isinstance(grad, DTensor) else None
 
 
+def is_dtensor(grad: Any) -> bool:
+    return _as_dtensor(grad) is not None
+
+
 def to_local(grad: Tensor) -> Tensor:
     """The local shard of a DTensor gradient; any other tensor as it is."""
     dtensor = _as_dtensor(grad)
     return grad if dtensor is None else dtensor.to_local()
 
 
-def dtensor_stats_group(grad: Tensor) -> dist.ProcessGroup | None:
-    """The group a DTensor gradient's local statistics are summed over first, as Megatron does.
+@dataclass
+class MeshShards:
+    """The local shards that count of the DTensor gradients on one mesh, and the mesh itself.
 
-    A 1-D mesh reduces over its only dimension, a 2-D (HSDP) mesh over its shard dimension (1).
+    A rank joins the mesh's reductions also when every one of its shards is a copy.
+    """
+
+    mesh: Any
+    shards: list[Tensor] = field(default_factory=list)
+
+
+def _mesh_key(mesh: Any) -> tuple[Any, ...]:
+    return (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.shape), mesh.mesh_dim_names)
+
+
+def split_by_mesh(
+    grads: Sequence[Tensor], tensor_parallel: Sequence[bool] | None = None, *, root: bool = False
+) -> tuple[list[Tensor], list[MeshShards]]:
+    """Plain gradients, and per device mesh the local DTensor shards that count.
+
+    Args:
+        grads: gradients, DTensors or not.
+        tensor_parallel: per gradient, whether its parameter is Megatron tensor-parallel (only
+            read with ``root``).
+        root: reduce over the root mesh, counting the copies a mesh slice has along the root's
+            other dimensions once (see :mod:`gradstat.placements`); False: only the DTensor's
+            own placements decide, Megatron's attribute filters having removed the copies.
+
+    Returns:
+        The plain gradients, and the meshes in an order every rank of a mesh agrees on.
 
     Raises:
-        ValueError: a mesh of three or more dimensions, which Megatron does not support either.
+        PartialGradientError: a gradient that is Partial on some mesh dimension.
     """
-    dtensor = _as_dtensor(grad)
-    if dtensor is None:
-        return None
-    mesh = dtensor.device_mesh
-    if mesh.ndim in (1, 2):
-        group: dist.ProcessGroup = mesh.get_group(mesh_dim=mesh.ndim - 1)
-        return group
-    raise ValueError(f"DTensor gradients on a {mesh.ndim}-D device mesh are not supported")
+    plain: list[Tensor] = []
+    meshes: dict[tuple[Any, ...], MeshShards] = {}
+    for index, grad in enumerate(grads):
+        dtensor = _as_dtensor(grad)
+        if dtensor is None:
+            plain.append(grad)
+            continue
+        place = describe(dtensor)
+        partial = place.partial_dims()
+        if partial:
+            raise PartialGradientError(
+                f"a DTensor gradient of shape {tuple(dtensor.shape)} is Partial on mesh "
+                f"dimension {partial[0]!r}: it is still pending its reduction; take the norm "
+                "after the gradients are reduced (or redistribute it to Shard/Replicate)"
+            )
+        mesh = root_mesh(dtensor.device_mesh) if root else dtensor.device_mesh
+        bucket = meshes.setdefault(_mesh_key(mesh), MeshShards(mesh))
+        is_tp = bool(tensor_parallel[index]) if root and tensor_parallel else False
+        replica = place.is_replica(is_tp) if root else _own_replica(place)
+        if not replica:
+            bucket.shards.append(dtensor.to_local())
+    return plain, [meshes[key] for key in sorted(meshes)]
+
+
+def _own_replica(place: MeshPlacement) -> bool:
+    return MeshPlacement(place.mesh_shape, place.coordinate, place.placements, ()).is_replica()
+
+
+def group_ranks(group: Any, *, default_world: bool) -> frozenset[int]:
+    """The global ranks of ``group``: None is the world (``default_world``) or this rank alone."""
+    if not _distributed_ready():
+        return frozenset({0})
+    if group is None:
+        if default_world:
+            return frozenset(range(dist.get_world_size()))
+        return frozenset({dist.get_rank()})
+    return frozenset(dist.get_process_group_ranks(group))
+
+
+def reduce_over_mesh(
+    stat: Tensor, op: dist.ReduceOp.RedOpType, mesh: Any, then_ranks: frozenset[int]
+) -> Tensor:
+    """Reduce ``stat`` over every dimension of ``mesh``, for a later reduction over
+    ``then_ranks`` to count it once.
+
+    When the later reduction covers the whole mesh, it does the work and nothing happens here.
+    Otherwise every rank of the mesh holds the mesh's total afterwards, and for a sum only the
+    lowest rank that both reductions share keeps it: the later sum then counts it once.
+    """
+    members = frozenset(mesh.mesh.flatten().tolist())
+    if members <= then_ranks:
+        return stat
+    for dim in range(mesh.ndim):
+        all_reduce(stat, op, mesh.get_group(mesh_dim=dim))
+    if op == dist.ReduceOp.SUM and dist.get_rank() != min(members & then_ranks):
+        stat.zero_()
+    return stat

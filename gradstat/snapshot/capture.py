@@ -12,10 +12,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..errors import SnapshotError
 from .format import AXES
 from .writer import save_rank
 
-__all__ = ["coords_from_megatron", "coords_from_mesh", "dump_rank", "named_gradients"]
+__all__ = [
+    "coords_from_megatron",
+    "coords_from_mesh",
+    "dump_rank",
+    "logical_name",
+    "named_gradients",
+]
 
 # DeviceMesh dimension names that together make up the data-parallel axis (FSDP2 / HSDP).
 _DP_MESH_NAMES = ("dp_replicate", "dp", "dp_shard", "dp_shard_cp")
@@ -82,6 +89,16 @@ def coords_from_mesh(mesh: Any) -> dict[str, list[int]]:
     return coords
 
 
+def _step_number(step: int | torch.Tensor | None) -> int | None:
+    if isinstance(step, torch.Tensor):
+        if step.numel() != 1 or step.dtype.is_floating_point or step.dtype.is_complex:
+            raise ValueError(f"step must be an integer or a 0-d integer tensor, got {step!r}")
+        return int(step.item())
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+        raise ValueError(f"step must be an integer or a 0-d integer tensor, got {step!r}")
+    return step
+
+
 _LAYER = re.compile(r"(^|\.)layers\.(\d+)$")
 _LOCAL_EXPERT = re.compile(r"(^|\.)local_experts\.(\d+)$")
 
@@ -118,6 +135,23 @@ def _rename(name: str, renames: Mapping[str, str]) -> str:
     return name
 
 
+# Module names wrappers insert into parameter names: torch.compile, activation checkpointing,
+# FSDP1. DDP (PyTorch's and Megatron's, and Megatron's Float16Module) adds leading "module.".
+_WRAPPER_COMPONENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+
+
+def logical_name(name: str) -> str:
+    """``name`` without the components wrappers add, so that every wrapper's snapshot compares.
+
+    ``module.0.weight`` (DDP) and ``_orig_mod.layers.0._checkpoint_wrapped_module.w`` become
+    ``0.weight`` and ``layers.0.w``.
+    """
+    parts = [part for part in name.split(".") if part not in _WRAPPER_COMPONENTS]
+    while len(parts) > 1 and parts[0] == "module":
+        parts.pop(0)
+    return ".".join(parts)
+
+
 def named_gradients(
     model: torch.nn.Module | Sequence[torch.nn.Module] | Iterable[tuple[str, Any]],
 ) -> list[tuple[str, Any]]:
@@ -125,16 +159,19 @@ def named_gradients(
 
     A module (or a list of Megatron model chunks) is walked with ``named_parameters``; layer and
     expert indices are made global (see ``_global_prefixes``). Anything else is taken as
-    ``(name, param)`` pairs as they are.
+    ``(name, param)`` pairs. Names lose the components wrappers add (:func:`logical_name`).
     """
     items: list[Any] = [model] if isinstance(model, torch.nn.Module) else list(model)
     if not items or not all(isinstance(item, torch.nn.Module) for item in items):
-        return items
+        return [(logical_name(name), param) for name, param in items]
     modules: list[torch.nn.Module] = items
     pairs = []
     for module in modules:
         renames = _global_prefixes(module)
-        pairs += [(_rename(name, renames), param) for name, param in module.named_parameters()]
+        pairs += [
+            (logical_name(_rename(name, renames)), param)
+            for name, param in module.named_parameters()
+        ]
     return pairs
 
 
@@ -142,7 +179,7 @@ def dump_rank(
     directory: str | os.PathLike[str],
     model: torch.nn.Module | Sequence[torch.nn.Module] | Iterable[tuple[str, Any]],
     *,
-    step: int | None = None,
+    step: int | torch.Tensor | None = None,
     grad_attr: str | None = None,
     distributed_optimizer: bool = False,
     coords: Mapping[str, Sequence[int]] | None = None,
@@ -153,12 +190,14 @@ def dump_rank(
 
     Coordinates come from, in order: ``coords``; ``mesh`` (a DeviceMesh); Megatron's
     ``parallel_state`` when it is importable and initialized; else plain data parallelism over
-    the torch.distributed world. Explicit ``coords`` entries override discovered ones.
+    the torch.distributed world. Explicit ``coords`` entries override discovered ones. DTensor
+    gradients (FSDP2, HSDP, TP x FSDP2) need none of it: their placements, recorded with their
+    mesh, decide what counts.
 
     Args:
         directory: the snapshot directory, the same on every rank.
         model: a module, a list of model chunks, or ``(name, param)`` pairs.
-        step: the training step.
+        step: the training step, an int or a 0-d integer tensor.
         grad_attr: "grad", "main_grad" or "decoupled_grad"; None: "main_grad" when any
             parameter has one (Megatron's DDP), else "grad".
         distributed_optimizer: the gradients are disjoint shards across data-parallel ranks
@@ -169,7 +208,13 @@ def dump_rank(
 
     Returns:
         The rank file's path.
+
+    Raises:
+        SnapshotError: no parameter has a gradient (dumped before backward, or after
+            ``zero_grad``), or the rank file cannot be written.
+        ValueError: bad arguments (a step that is not an integer, unknown axes, ...).
     """
+    step = _step_number(step)
     ready = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if ready else 0
     world_size = dist.get_world_size() if ready else 1
@@ -184,6 +229,11 @@ def dump_rank(
     if grad_attr is None:
         has_main = any(getattr(param, "main_grad", None) is not None for _, param in pairs)
         grad_attr = "main_grad" if has_main else "grad"
+    if not any(getattr(param, grad_attr, None) is not None for _, param in pairs):
+        raise SnapshotError(
+            f"rank {rank}: none of the {len(pairs)} parameters has a .{grad_attr}: dump after "
+            "backward and before zero_grad (a snapshot of no gradients would read as norm 0)"
+        )
     return save_rank(
         directory,
         pairs,

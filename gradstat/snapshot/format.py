@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from ..errors import SnapshotError
+from ..placements import MeshPlacement, valid_code
 
 FORMAT_NAME = "gradstat-snapshot"
 FORMAT_VERSION = 1
@@ -92,22 +93,8 @@ def supported_dtypes() -> str:
     return ", ".join(DTYPES)
 
 
-@dataclass(frozen=True)
-class DTensorRecord:
-    """Where a DTensor gradient's local shard sits on its device mesh."""
-
-    mesh_shape: tuple[int, ...]
-    coordinate: tuple[int, ...]
-    placements: tuple[str, ...]
-    global_shape: tuple[int, ...]
-
-    def is_replica(self) -> bool:
-        """True when another rank holds the same values: a non-zero coordinate on a Replicate
-        mesh dimension."""
-        return any(
-            placement == "R" and index != 0
-            for placement, index in zip(self.placements, self.coordinate, strict=True)
-        )
+# A DTensor gradient's placement on its mesh (placements decide what counts).
+DTensorRecord = MeshPlacement
 
 
 @dataclass(frozen=True)
@@ -172,6 +159,9 @@ def _param_to_json(record: ParamRecord) -> dict[str, Any]:
             "coordinate": list(record.dtensor.coordinate),
             "placements": list(record.dtensor.placements),
             "global_shape": list(record.dtensor.global_shape),
+            "mesh_dim_names": _optional_list(record.dtensor.mesh_dim_names),
+            "global_offset": _optional_list(record.dtensor.global_offset),
+            "copies": [list(copy) for copy in record.dtensor.copies],
         }
     return {
         "name": record.name,
@@ -182,6 +172,10 @@ def _param_to_json(record: ParamRecord) -> dict[str, Any]:
         "attrs": record.attrs,
         "dtensor": dtensor,
     }
+
+
+def _optional_list(values: tuple[Any, ...] | None) -> list[Any] | None:
+    return None if values is None else list(values)
 
 
 class _Fields:
@@ -320,22 +314,60 @@ def _parse_param(path: Path, index: int, entry: Any) -> ParamRecord:
     dtensor_data = fields.get("dtensor", dict, optional=True)
     dtensor = None
     if dtensor_data is not None:
-        mesh = _Fields(path, f"parameter {name!r} dtensor", dtensor_data)
-        placements = tuple(mesh.get("placements", list))
-        dtensor = DTensorRecord(
-            mesh_shape=mesh.ints("mesh_shape", minimum=1),
-            coordinate=mesh.ints("coordinate"),
-            placements=placements,
-            global_shape=mesh.ints("global_shape"),
-        )
-        if not (len(dtensor.mesh_shape) == len(dtensor.coordinate) == len(placements)):
-            raise mesh.fail("mesh_shape, coordinate and placements differ in length")
+        dtensor = _parse_dtensor(_Fields(path, f"parameter {name!r} dtensor", dtensor_data))
+    shape = fields.ints("shape")
+    if dtensor is not None and dtensor.global_offset is not None:
+        box = zip(dtensor.global_offset, shape, dtensor.global_shape, strict=False)
+        if len(shape) != len(dtensor.global_shape) or any(o + n > g for o, n, g in box):
+            raise fields.fail(
+                f"dtensor global_offset {list(dtensor.global_offset)} with shape {list(shape)} "
+                f"is outside global_shape {list(dtensor.global_shape)}"
+            )
     return ParamRecord(
         name=name,
         has_grad=has_grad,
-        shape=fields.ints("shape"),
+        shape=shape,
         dtype=dtype,
         param_shape=fields.ints("param_shape"),
         attrs=dict(attrs.data),
         dtensor=dtensor,
     )
+
+
+def _parse_dtensor(mesh: _Fields) -> MeshPlacement:
+    """A DTensor record; the fields after ``global_shape`` are optional (older files lack them)."""
+    placements = tuple(mesh.get("placements", list))
+    if not all(valid_code(code) for code in placements):
+        raise mesh.fail(f"placements {list(placements)!r}: each must be 'S(dim)', 'R' or 'P'")
+    names = mesh.get("mesh_dim_names", list, optional=True)
+    if names is not None and not all(isinstance(name, str) for name in names):
+        raise mesh.fail("mesh_dim_names must be a list of strings")
+    offset = mesh.ints("global_offset") if mesh.get("global_offset", list, True) else None
+    copies = []
+    for copy in mesh.get("copies", list, optional=True) or []:
+        if not (
+            isinstance(copy, list)
+            and len(copy) == 3
+            and isinstance(copy[0], str)
+            and all(type(value) is int for value in copy[1:])
+            and 0 <= copy[1] < copy[2]
+        ):
+            raise mesh.fail(f"copies entry {copy!r}: expected [dim_name, rank, size]")
+        copies.append((copy[0], copy[1], copy[2]))
+    record = MeshPlacement(
+        mesh_shape=mesh.ints("mesh_shape", minimum=1),
+        coordinate=mesh.ints("coordinate"),
+        placements=placements,
+        global_shape=mesh.ints("global_shape"),
+        mesh_dim_names=None if names is None else tuple(names),
+        global_offset=offset,
+        copies=tuple(copies),
+    )
+    dims = (record.mesh_shape, record.coordinate, placements, *([names] if names else []))
+    if len({len(values) for values in dims}) != 1:
+        raise mesh.fail("mesh_shape, coordinate, placements and mesh_dim_names differ in length")
+    if not all(0 <= i < n for i, n in zip(record.coordinate, record.mesh_shape, strict=True)):
+        raise mesh.fail(f"coordinate {list(record.coordinate)} is outside the mesh")
+    if offset is not None and len(offset) != len(record.global_shape):
+        raise mesh.fail("global_offset and global_shape differ in length")
+    return record

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from ..errors import SnapshotError
-from ..groups import group_rank, group_size
+from ..groups import group_rank, group_size, is_dtensor, to_local
+from ..placements import describe
 from .container import write_container
 from .format import (
     ATTRIBUTE_KINDS,
@@ -43,32 +44,10 @@ def _check_coords(coords: Mapping[str, Sequence[int]]) -> dict[str, tuple[int, i
     return checked
 
 
-def _placement_code(placement: Any) -> str:
-    if placement.is_shard():
-        return f"S({placement.dim})"
-    if placement.is_replicate():
-        return "R"
-    return "P"
-
-
 def _local_and_dtensor(grad: torch.Tensor) -> tuple[torch.Tensor, DTensorRecord | None]:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
+    if not is_dtensor(grad):
         return grad, None
-    if not isinstance(grad, DTensor):
-        return grad, None
-    mesh = grad.device_mesh
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:
-        raise ValueError("a DTensor gradient lives on a mesh this rank is not part of")
-    record = DTensorRecord(
-        mesh_shape=tuple(mesh.shape),
-        coordinate=tuple(coordinate),
-        placements=tuple(_placement_code(placement) for placement in grad.placements),
-        global_shape=tuple(grad.shape),
-    )
-    return grad.to_local(), record
+    return to_local(grad), describe(grad, with_offset=True)
 
 
 def _record(name: str, param: Any, grad_attr: str) -> tuple[ParamRecord, torch.Tensor | None]:
@@ -173,12 +152,35 @@ def save_rank(
         params=tuple(records),
     )
     folder = Path(directory)
-    folder.mkdir(parents=True, exist_ok=True)
+    created = _make_directories(folder)
     target = folder / FILE_PATTERN.format(rank=rank)
-    if target.exists() and not overwrite:
-        raise SnapshotError(f"{target}: rank file exists; pass overwrite=True to replace it")
-    _write_atomically(target, {METADATA_KEY: header.to_json()}, tensors, overwrite)
+    try:
+        if target.exists() and not overwrite:
+            raise SnapshotError(f"{target}: rank file exists; pass overwrite=True to replace it")
+        _write_atomically(target, {METADATA_KEY: header.to_json()}, tensors, overwrite)
+    except BaseException:
+        # A failed dump leaves no empty directory behind (another rank's files keep theirs).
+        for made in created:
+            try:
+                made.rmdir()
+            except OSError:
+                break
+        raise
     return target
+
+
+def _make_directories(folder: Path) -> list[Path]:
+    """Create ``folder`` and its missing parents; the ones created, deepest first."""
+    missing = []
+    for path in (folder, *folder.parents):
+        if path.exists():
+            break
+        missing.append(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise SnapshotError(f"{folder}: cannot create ({error.strerror or error})") from error
+    return missing
 
 
 def default_mode(directory: bool = False) -> int:
