@@ -22,6 +22,7 @@ if TYPE_CHECKING:
         param_is_not_shared,
         param_is_not_tensor_parallel_duplicate,
         total_norm,
+        total_zeros,
     )
     from .errors import GradstatError
     from .groups import AxisPlace
@@ -36,6 +37,7 @@ _LAZY = {
     "param_is_not_shared": "clip_grads",
     "param_is_not_tensor_parallel_duplicate": "clip_grads",
     "total_norm": "clip_grads",
+    "total_zeros": "clip_grads",
     "GradstatError": "errors",
     "AxisPlace": "groups",
 }
@@ -53,6 +55,7 @@ __all__ = [
     "param_is_not_shared",
     "param_is_not_tensor_parallel_duplicate",
     "total_norm",
+    "total_zeros",
 ]
 
 

@@ -36,7 +36,7 @@ from .analysis import Request, counts, merge, nan_max
 from .report import SnapshotInfo, jsonable, snapshot_info
 from .runner import Place, gather_jobs, gather_pieces
 from .snapshot import RebuiltParam, Snapshot
-from .tiles import MappedFiles, Tile, chunks, snapshot_tiles
+from .tiles import MappedFiles, Tile, box, chunks, snapshot_tiles
 
 __all__ = ["KINDS", "AuditReport", "Finding", "audit_snapshot"]
 
@@ -44,6 +44,7 @@ KINDS = (
     "tp_replicas_differ",
     "gtp_replicas_differ",
     "dp_replicas_differ",
+    "replicas_differ",
     "tied_copies_differ",
     "tied_copy_counted_twice",
     "tp_shards_identical",
@@ -233,9 +234,36 @@ def _replica_pairs(tiles: Sequence[Tile], roles: tuple[str, ...]) -> list[tuple[
     return pairs
 
 
+def _dtensor_copy_pairs(tiles: Sequence[Tile]) -> list[tuple[Tile, Tile]]:
+    """(reference, copy) pairs of DTensor shards that hold the same box of their parameter; the
+    reference is the counted one."""
+    groups: dict[Any, list[Tile]] = defaultdict(list)
+    for tile in tiles:
+        dtensor = tile.record.dtensor
+        assert dtensor is not None
+        key = box(tile)
+        if key is None:  # no offset recorded: the coordinate off the Replicate dimensions
+            coordinate = tuple(
+                0 if code == "R" else index
+                for code, index in zip(dtensor.placements, dtensor.coordinate, strict=True)
+            )
+            key = (coordinate, tile.record.shape)
+        groups[key].append(tile)
+    pairs = []
+    for group in groups.values():
+        ref = min(group, key=lambda tile: (not tile.counted, tile.rank))
+        pairs += [(ref, other) for other in group if other is not ref]
+    return pairs
+
+
 def _attribute_value(tile: Tile, label: str) -> str | None:
-    value = tile.local_shape if label == "shape" else tile.record.attr(label)
-    return None if value is None else repr(list(value) if label == "shape" else value)
+    if label == "shape":
+        # DTensor shards may be uneven (FSDP2 pads the last ones): their full shape must agree.
+        dtensor = tile.record.dtensor
+        value = tile.local_shape if dtensor is None else dtensor.global_shape
+        return None if value is None else repr(list(value))
+    value = tile.record.attr(label)
+    return None if value is None else repr(value)
 
 
 def _attribute_findings(
@@ -342,6 +370,10 @@ def _audit_param(tiles: Sequence[Tile], distributed_optimizer: bool, rtol: float
         attributes = _attribute_findings(name, tiles, files)
         if attributes:
             return attributes  # the other checks would compare unlike things
+        if all(tile.record.dtensor is not None for tile in tiles):
+            what = "a copy by its placements (Replicate, or outside a TP plan), yet copies differ"
+            pairs = _dtensor_copy_pairs(tiles)
+            return _copies_differ("replicas_differ", what, pairs, files, rtol, True)
         tp, gtp = first.place("tp")[1], first.place("gtp")[1]
         if not first.tp_sharded and tp > 1:
             what = f"not tensor-parallel, yet its {_axis_label(first, 'tp')} copies differ"

@@ -48,6 +48,7 @@ __all__ = [
     "param_is_not_shared",
     "param_is_not_tensor_parallel_duplicate",
     "total_norm",
+    "total_zeros",
 ]
 
 _TensorOrList = Tensor | Iterable[Tensor]
@@ -216,13 +217,50 @@ def total_norm(
         PartialGradientError: a DTensor gradient still Partial on a mesh dimension.
     """
     p = check_norm_type(norm_type)
+    grads, tensor_parallel = _torch_native_grads(parameters)
+    return _norm(grads, p, group, megatron=False, tensor_parallel=tensor_parallel)
+
+
+def total_zeros(parameters: _Params, *, group: dist.ProcessGroup | None = None) -> int:
+    """The number of zero elements of a torch-native job's full gradients (see
+    :func:`total_norm`: DTensors by placement, plain tensors as data-parallel replicas).
+
+    Args:
+        parameters: parameters (their ``.grad``; those without one are skipped) or gradients.
+        group: ranks that hold different parameters and share no mesh (pipeline stages).
+
+    Raises:
+        GradDtypeError: a gradient of an unsupported dtype.
+        PartialGradientError: a DTensor gradient still Partial on a mesh dimension.
+    """
+    grads, tensor_parallel = _torch_native_grads(parameters)
+    for grad in grads:
+        kernels.check_dtype(to_local(grad))
+    stat = _stat(
+        grads,
+        _zero_count,
+        dist.ReduceOp.SUM,
+        group,
+        megatron=False,
+        tensor_parallel=tensor_parallel,
+    )
+    return int(stat)
+
+
+def _zero_count(tensors: list[Tensor], device: torch.device) -> Tensor:
+    numel = sum(tensor.numel() for tensor in tensors)
+    return numel - kernels.nonzero_count(tensors, device)
+
+
+def _torch_native_grads(parameters: _Params) -> tuple[list[Tensor], list[bool]]:
+    """The gradients of parameters (or the tensors given), and which are Megatron TP shards."""
     grads, tensor_parallel = [], []
     for item in _as_list(parameters):
         grad = item.grad if isinstance(item, torch.nn.Parameter) else item
         if grad is not None:
             grads.append(grad)
             tensor_parallel.append(bool(getattr(item, "tensor_model_parallel", False)))
-    return _norm(grads, p, group, megatron=False, tensor_parallel=tensor_parallel)
+    return grads, tensor_parallel
 
 
 def _grads_of(parameters: _Params, use_decoupled_grad: bool) -> list[Tensor]:
@@ -376,14 +414,10 @@ def count_zeros_fp32(
             "data-parallel reduction; FSDP has already reduced its gradients over DP"
         )
 
-    def zero_count(tensors: list[Tensor], device: torch.device) -> Tensor:
-        numel = sum(tensor.numel() for tensor in tensors)
-        return numel - kernels.nonzero_count(tensors, device)
-
     # Megatron-FSDP shards are counted as they are, like plain tensors; the padding too.
     stats = _stat(
         fsdp_shards + counted,
-        zero_count,
+        _zero_count,
         dist.ReduceOp.SUM,
         grad_stats_parallel_group,
         megatron=True,

@@ -31,10 +31,12 @@ from .snapshot.format import DTYPES, ParamRecord
 
 __all__ = [
     "ROLES",
+    "BoxPlan",
     "MappedFiles",
     "Plan",
     "Tile",
     "assemble",
+    "box",
     "chunks",
     "plan",
     "segments",
@@ -176,15 +178,63 @@ _LAYOUT_ATTRS = (
 )
 
 
-def plan(name: str, tiles: Sequence[Tile]) -> Plan | str:
+@dataclass(frozen=True)
+class BoxPlan:
+    """How the counted DTensor shards of a parameter make up its full tensor: each is a box of
+    it, at the offset its placements give."""
+
+    name: str
+    tiles: tuple[Tile, ...]
+    full_shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def box(tile: Tile) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """A DTensor shard's (offset, shape) in its full tensor; None when no offset was recorded."""
+    dtensor = tile.record.dtensor
+    if dtensor is None or dtensor.global_offset is None:
+        return None
+    return dtensor.global_offset, tile.record.shape
+
+
+def _box_plan(name: str, counted: Sequence[Tile]) -> BoxPlan | str:
+    full_shape = counted[0].record.dtensor.global_shape if counted[0].record.dtensor else ()
+    boxes = set()
+    for tile in counted:
+        found = box(tile)
+        if found is None:
+            return "DTensor shards without a recorded global_offset are not placed"
+        if tile.record.dtensor is None or tile.record.dtensor.global_shape != full_shape:
+            return f"its global shape differs between rank {counted[0].rank} and {tile.rank}"
+        if found in boxes:
+            return f"two counted shards hold the same box (rank {tile.rank})"
+        boxes.add(found)
+    covered = sum(tile.record.numel for tile in counted)
+    if covered != math.prod(full_shape):
+        return f"its shards hold {covered} of its {math.prod(full_shape)} elements"
+    return BoxPlan(name, tuple(counted), full_shape, _common_dtype(counted))
+
+
+def _common_dtype(tiles: Sequence[Tile]) -> torch.dtype:
+    dtypes = {tile.record.dtype for tile in tiles}
+    if "float64" in dtypes:
+        return torch.float64
+    if len(dtypes) == 1:
+        return DTYPES[str(tiles[0].record.dtype)][0]
+    return torch.float32
+
+
+def plan(name: str, tiles: Sequence[Tile]) -> Plan | BoxPlan | str:
     """The plan that rebuilds ``name`` from its counted ``tiles``, or why there is none."""
     counted = [tile for tile in tiles if tile.counted]
     if not counted:
         return "no counted tensor"
     first = counted[0]
+    if all(tile.record.dtensor is not None for tile in counted):
+        return _box_plan(name, counted)
     for tile in counted:
         if tile.record.dtensor is not None or tile.record.attr("fsdp_param"):
-            return "DTensor and FSDP shards are not placed"
+            return "FSDP shards without placements are not placed"
         if tile.start is None:
             return "fragments without fragment_offset/fragment_shape cannot be placed"
         if any(tile.record.attr(key) != first.record.attr(key) for key in _LAYOUT_ATTRS):
@@ -216,13 +266,7 @@ def plan(name: str, tiles: Sequence[Tile]) -> Plan | str:
             covered = tile.stop or 0
         if covered != numel:
             return f"elements {covered}..{numel} of TP {tp_rank} GTP {gtp_rank} are missing"
-    dtypes = {tile.record.dtype for tile in counted}
-    if "float64" in dtypes:
-        dtype = torch.float64
-    elif len(dtypes) == 1:
-        dtype = DTYPES[str(first.record.dtype)][0]
-    else:
-        dtype = torch.float32
+    dtype = _common_dtype(counted)
     return Plan(
         name=name,
         tiles=tuple(counted),
@@ -268,11 +312,20 @@ class MappedFiles:
         self._stack.close()
 
 
-def assemble(layout: Plan, files: MappedFiles) -> Tensor:
+def assemble(layout: Plan | BoxPlan, files: MappedFiles) -> Tensor:
     """The parameter's full gradient, rebuilt from its tiles (GTP padding stripped).
 
     It may be a read-only view of a mapped file: use it inside the ``files`` block only.
     """
+    if isinstance(layout, BoxPlan):
+        full = torch.empty(layout.full_shape, dtype=layout.dtype)
+        for tile in layout.tiles:
+            offset, shape = box(tile) or ((), ())
+            region = tuple(
+                slice(start, start + size) for start, size in zip(offset, shape, strict=True)
+            )
+            full[region] = files.tensor(tile).view(shape)
+        return full
     if not math.prod(layout.local_shape):
         return torch.empty(layout.full_shape, dtype=layout.dtype)
     if layout.tp_size == 1:
@@ -288,13 +341,13 @@ def assemble(layout: Plan, files: MappedFiles) -> Tensor:
     return full
 
 
-def segments(layout: Plan, files: MappedFiles) -> list[Tensor] | None:
+def segments(layout: Plan | BoxPlan, files: MappedFiles) -> list[Tensor] | None:
     """The full gradient's elements in order, as flat views of the mapped tiles (no copy).
 
     Possible when the shards concatenate along dim 0 (column-parallel TP, GTP, fragments, or
     no split), which is then the flat order too; None for other TP splits: assemble those.
     """
-    if layout.tp_size > 1 and layout.partition_dim != 0:
+    if isinstance(layout, BoxPlan) or (layout.tp_size > 1 and layout.partition_dim != 0):
         return None
     numel = math.prod(layout.local_shape)
     rows = layout.local_shape[0] if layout.local_shape else 1

@@ -110,9 +110,7 @@ def new_model() -> Transformer:
 def loss_of(model: nn.Module) -> Tensor:
     inputs, targets = batch()
     logits = model(inputs)
-    if not isinstance(logits, Tensor):  # a DTensor output (loss parallel is not used)
-        logits = logits.full_tensor()
-    elif hasattr(logits, "full_tensor"):
+    if hasattr(logits, "full_tensor"):  # a DTensor output (loss parallel is not used)
         logits = logits.full_tensor()
     # Unused tokens are masked out of the logits: their (tied) rows get exact-zero gradients.
     unused = torch.zeros(VOCAB, dtype=torch.bool)
