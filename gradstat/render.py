@@ -116,9 +116,11 @@ def print_inspect(console: Console, report: InspectReport) -> None:
         table.add_column(column, justify="right" if column == "ranks" else "left")
     for row in report.params:
         notes = []
+        if row.placements:
+            notes.append(row.placements)
         if row.tensor_parallel:
             notes.append(f"TP partition dim {row.partition_dim}")
-        elif row.kind != "fsdp shard":
+        elif row.kind not in ("fsdp shard", "dtensor"):
             notes.append("replicated over TP")
         if row.shared:
             notes.append("shared copy (not counted)")
@@ -131,6 +133,8 @@ def print_inspect(console: Console, report: InspectReport) -> None:
         shape = "x".join(str(dim) for dim in row.local_shape) or "scalar"
         table.add_row(row.name, row.dtype, shape, str(row.ranks), row.kind, ", ".join(notes))
     console.print(table)
+    for note in report.notes:
+        console.print(f"note: {note}")
 
 
 def print_clip(console: Console, report: ClipReport) -> None:

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .analysis import SnapshotStats
-    from .snapshot import Snapshot
+    from .placements import MeshPlacement
+from .snapshot import Snapshot
 
 __all__ = [
     "ClipReport",
@@ -235,13 +236,14 @@ class ParamInspectRow:
     dtype: str
     local_shape: tuple[int, ...]
     ranks: int
-    kind: str  # "tensor-parallel", "replicated", "fragment", "fsdp shard"
+    kind: str  # "tensor-parallel", "replicated", "fragment", "fsdp shard", "dtensor"
     tensor_parallel: bool
     partition_dim: int
     shared: bool
     expert: bool
     gtp_pad_length: int
     no_grad: bool
+    placements: str | None = None  # a DTensor's, with its mesh dimension names
 
 
 @dataclass(frozen=True)
@@ -251,6 +253,7 @@ class InspectReport:
     axes: dict[str, int]
     files: tuple[FileRow, ...]
     params: tuple[ParamInspectRow, ...]
+    notes: tuple[str, ...] = ()  # where the placements overrule the coordinates
 
     def to_json(self) -> dict[str, Any]:
         return dict(jsonable(asdict(self)))
@@ -265,7 +268,11 @@ def inspect_report(snapshot: Snapshot) -> InspectReport:
             holders[record.name] = holders.get(record.name, 0) + 1
             if record.name in rows:
                 continue
-            if record.attr("fsdp_param") or record.dtensor is not None:
+            placements = None
+            if record.dtensor is not None:
+                kind = "dtensor"
+                placements = _placements_label(record.dtensor)
+            elif record.attr("fsdp_param"):
                 kind = "fsdp shard"
             elif rank_file.header.distributed_optimizer:
                 kind = "fragment"
@@ -287,6 +294,7 @@ def inspect_report(snapshot: Snapshot) -> InspectReport:
                 if record.attr("is_gtp_weight_remat")
                 else 0,
                 no_grad=not record.has_grad,
+                placements=placements,
             )
     params = tuple(replace(row, ranks=holders[name]) for name, row in rows.items())
     files = tuple(FileRow(file.rank, str(file.path), file.size_bytes) for file in snapshot.files)
@@ -297,4 +305,47 @@ def inspect_report(snapshot: Snapshot) -> InspectReport:
         axes=snapshot.axis_sizes,
         files=files,
         params=params,
+        notes=_placement_notes(snapshot),
     )
+
+
+def _placements_label(dtensor: MeshPlacement) -> str:
+    """``S(0) on dp_shard, R on tp``, and the root mesh's copies (``copy over tp``)."""
+    dims = [f"{code} on {dtensor.dim_name(dim)}" for dim, code in enumerate(dtensor.placements)]
+    dims += [f"copy over {name}" for name, _, _ in dtensor.copies]
+    return ", ".join(dims)
+
+
+def _placement_notes(snapshot: Snapshot) -> tuple[str, ...]:
+    """Where the coordinates say one thing and the DTensor placements another: they win."""
+    notes = []
+    first = snapshot.files[0].header
+    dtensors = {
+        record.name
+        for file in snapshot.files
+        for record in file.header.params
+        if record.dtensor is not None and record.has_grad
+    }
+    if not dtensors:
+        return ()
+    dp_size = first.coords["dp"][1]
+    sharded = {
+        record.name
+        for file in snapshot.files
+        for record in file.header.params
+        if record.dtensor is not None
+        and any(code.startswith("S") for code in record.dtensor.placements)
+    }
+    if dp_size > 1 and not first.distributed_optimizer and sharded:
+        notes.append(
+            f"the coordinates say plain-optimizer data-parallel replicas (dp size {dp_size}), "
+            f"but {len(sharded)} DTensor gradients are sharded by their placements: every "
+            "DTensor counts by its placements, not by the dp coordinate"
+        )
+    tp_size = first.coords["tp"][1]
+    if tp_size > 1:
+        notes.append(
+            f"{len(dtensors)} DTensor gradients count by their placements, not by the tp "
+            f"coordinate (tp size {tp_size})"
+        )
+    return tuple(notes)
