@@ -14,8 +14,9 @@ import torch
 from safetensors import safe_open
 
 from gradstat.analysis import snapshot_stats
+from gradstat.errors import SnapshotError
 from gradstat.snapshot import Snapshot, dump_rank
-from gradstat.snapshot.capture import coords_from_megatron, named_gradients
+from gradstat.snapshot.capture import coords_from_megatron, logical_name, named_gradients
 from tests._layouts import Case, launch
 from tests._oracle import float64_norm, zeros_in
 
@@ -171,3 +172,100 @@ def test_fsdp2_dtensor_gradients_count_once(tmp_path: Path) -> None:
     assert math.isclose(stats.norm(2), float64_norm(full, 2), rel_tol=1e-6)
     assert math.isclose(stats.norm(1), float64_norm(full, 1), rel_tol=1e-6)
     assert stats.zeros == zeros_in(full)
+
+
+@pytest.mark.parametrize(
+    ("wrapped", "logical"),
+    [
+        ("module.0.weight", "0.weight"),  # DDP
+        ("module.module.decoder.w", "decoder.w"),  # Megatron's DDP around Float16Module
+        ("_orig_mod.layers.0.w", "layers.0.w"),  # torch.compile
+        ("layers.0._checkpoint_wrapped_module.attention.wq.weight", "layers.0.attention.wq.weight"),
+        ("_fsdp_wrapped_module.layers.1._fsdp_wrapped_module.w", "layers.1.w"),  # FSDP1
+        ("encoder.module.w", "encoder.module.w"),  # a module really named "module" stays
+    ],
+)
+def test_wrapper_prefixes_are_stripped(wrapped: str, logical: str, tmp_path: Path) -> None:
+    assert logical_name(wrapped) == logical
+    param = types.SimpleNamespace(grad=torch.ones(2), shape=(2,))
+    header = _header(dump_rank(tmp_path, [(wrapped, param)]))
+    assert [entry["name"] for entry in header["params"]] == [logical]
+
+
+def test_a_ddp_model_is_dumped_under_its_logical_names(tmp_path: Path) -> None:
+    model = _model()
+    wrapper = torch.nn.Module()
+    wrapper.module = model  # what DistributedDataParallel looks like from outside
+    header = _header(dump_rank(tmp_path, wrapper))
+    assert [entry["name"] for entry in header["params"]] == [
+        name for name, _ in model.named_parameters()
+    ]
+
+
+def test_step_may_be_a_zero_dim_tensor(tmp_path: Path) -> None:
+    header = _header(dump_rank(tmp_path / "a", _model(), step=torch.tensor(1200)))
+    assert header["step"] == 1200
+    for bad in (torch.tensor(1.5), torch.tensor([1, 2]), 2.0, "3", True):
+        with pytest.raises(ValueError, match="step must be an integer"):
+            dump_rank(tmp_path / "b", _model(), step=bad)  # type: ignore[arg-type]
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("when", ["before backward", "after zero_grad"])
+def test_a_model_without_gradients_is_refused_and_leaves_nothing(when: str, tmp_path: Path) -> None:
+    if when == "before backward":
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    else:
+        model = _model()
+        model.zero_grad()
+    target = tmp_path / "deep" / "grads"
+    with pytest.raises(SnapshotError, match=r"rank 0: none of the \d parameters has a \.grad"):
+        dump_rank(target, model, step=1)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_write_leaves_no_directory_it_created(tmp_path: Path) -> None:
+    target = tmp_path / "new" / "grads"
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / "grads").mkdir()
+    (target / "rank-00000.safetensors").write_bytes(b"the user's")
+    with pytest.raises(SnapshotError, match="rank file exists"):
+        dump_rank(target, _model())
+    assert (target / "rank-00000.safetensors").read_bytes() == b"the user's"
+    fresh = tmp_path / "fresh" / "grads"
+    with pytest.raises(ValueError, match="appears twice"):
+        dump_rank(fresh, [("w", _model()[0].weight), ("w", _model()[0].bias)])
+    assert not (tmp_path / "fresh").exists()
+
+
+def _partial_gradient(rank: int, world_size: int, directory: str) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+
+    import gradstat
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
+    grad = DTensor.from_local(torch.ones(3), mesh, [Partial()], run_check=False)
+    param = types.SimpleNamespace(grad=grad, shape=grad.shape)
+    dump_rank(directory, [("w", param)], step=1)
+    try:
+        gradstat.total_norm([grad])
+    except gradstat.GradstatError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_partial_gradient_is_refused_live_and_in_a_snapshot(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from gradstat.cli import app
+
+    snapshot_dir = tmp_path / "snapshot"
+    report = launch(2, tmp_path, [Case("partial", _partial_gradient, str(snapshot_dir))])
+    for message in report.values("partial"):
+        assert "is Partial on mesh dimension 'dp_shard'" in message
+    result = CliRunner().invoke(app, ["norm", str(snapshot_dir)])
+    assert result.exit_code == 2
+    assert "parameter 'w' is Partial on mesh dimension 'dp_shard'" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
