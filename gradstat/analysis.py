@@ -49,7 +49,7 @@ class ParamStats:
     numel: int = 0
     zeros: int = 0
     pad_zeros: int = 0
-    power_sums: dict[float, float] = field(default_factory=dict)
+    norms: dict[float, float] = field(default_factory=dict)  # finite norm type: its norm
     max_abs: float | None = None  # None when the inf norm was not asked for
     ranks: list[int] = field(default_factory=list)
 
@@ -58,7 +58,7 @@ class ParamStats:
             if self.max_abs is None:
                 raise KeyError("the inf norm was not computed; ask for it in norm_types")
             return self.max_abs
-        return _root(self.power_sums[norm_type], norm_type)
+        return self.norms[norm_type]
 
 
 def nan_max(values: Iterable[float]) -> float:
@@ -69,10 +69,6 @@ def nan_max(values: Iterable[float]) -> float:
             return math.nan
         peak = max(peak, value)
     return peak
-
-
-def _root(power_sum: float, norm_type: float) -> float:
-    return math.sqrt(power_sum) if norm_type == 2 else power_sum ** (1.0 / norm_type)
 
 
 @dataclass(frozen=True)
@@ -97,12 +93,12 @@ class SnapshotStats:
         """The global norm; of dense (``expert=False``) or expert params only if asked.
 
         Megatron reduces dense and expert statistics in separate optimizers and combines them
-        (sqrt(dense^2 + expert^2) for L2): summing powers over all parameters is the same.
+        (sqrt(dense^2 + expert^2) for L2): combining all parameters' norms is the same.
         """
         params = [param for param in self.params if expert is None or param.expert == expert]
         if norm_type == math.inf:
             return nan_max(param.norm(math.inf) for param in params)
-        return _root(sum(param.power_sums[norm_type] for param in params), norm_type)
+        return kernels.combine_norms((param.norms[norm_type] for param in params), norm_type)
 
     @property
     def zeros(self) -> int:
@@ -157,7 +153,9 @@ class Piece:
     """The statistics of one counted tensor (a shard or fragment) of one rank file.
 
     Pieces are what crosses processes under a launcher: a few numbers per tensor. Merging them
-    in rank-file order gives bitwise the same totals however the files were split.
+    in rank-file order gives bitwise the same totals however the files were split. Norms, not
+    sums of p-th powers, cross: a norm fits in float64 where its p-th power may not (2.7e-3 to
+    the 150th), and :func:`kernels.add_norms` combines two without forming either power.
     """
 
     rank: int
@@ -166,7 +164,7 @@ class Piece:
     numel: int
     pad_zeros: int
     zeros: int
-    power_sums: tuple[float, ...]
+    norms: tuple[float, ...]  # for Request.finite
     max_abs: float | None
     nonfinite: NonFinite | None
 
@@ -195,18 +193,19 @@ def _piece(rank_file: RankFile, param: RebuiltParam, request: Request) -> Piece:
     if grad.device != request.device:
         grad = param.grad = grad.to(request.device)
     device = request.device
-    # fp32 on CPU: the L2 power sum, max |x| and the zero count from one native pass.
+    # fp32 on CPU: the sum of squares, max |x| and the zero count from one native pass.
     wants_fused = request.zeros or request.with_inf or 2.0 in request.finite
     fused = native.fused_f32(grad) if wants_fused else None
 
-    def power_sum(p: float) -> float:
+    def norm(p: float) -> float:
         if p == 2 and fused is not None:
-            value = fused.sum_squares
-            if math.isfinite(value) and not 0.0 < value < kernels.UNDERFLOW_GUARD:
-                return value
-        return float(kernels.power_sum([grad], p, device))
+            if fused.max_abs == 0.0 and not fused.has_nan:
+                return 0.0
+            if kernels.UNDERFLOW_GUARD <= fused.sum_squares < math.inf:
+                return math.sqrt(fused.sum_squares)
+        return kernels.norm([grad], p, device)
 
-    power_sums = tuple(power_sum(p) for p in request.finite)
+    norms = tuple(norm(p) for p in request.finite)
     max_abs = None
     if request.with_inf:
         if fused is None:
@@ -224,7 +223,7 @@ def _piece(rank_file: RankFile, param: RebuiltParam, request: Request) -> Piece:
             else grad.numel() - int(kernels.nonzero_count([grad], device))
         )
         zeros = found - pad
-    partials = (*power_sums, *(() if max_abs is None else (max_abs,)))
+    partials = (*norms, *(() if max_abs is None else (max_abs,)))
     nonfinite = None
     # NaN and Inf propagate into every norm: only a non-finite partial needs the extra passes.
     if not all(math.isfinite(partial) for partial in partials):
@@ -238,7 +237,7 @@ def _piece(rank_file: RankFile, param: RebuiltParam, request: Request) -> Piece:
         numel=grad.numel() - pad,
         pad_zeros=pad,
         zeros=zeros,
-        power_sums=power_sums,
+        norms=norms,
         max_abs=max_abs,
         nonfinite=nonfinite,
     )
@@ -260,11 +259,11 @@ def merge(pieces: Iterable[Piece], request: Request) -> SnapshotStats:
             stats = by_name[piece.name] = ParamStats(
                 piece.name,
                 piece.expert,
-                power_sums=dict.fromkeys(request.finite, 0.0),
+                norms=dict.fromkeys(request.finite, 0.0),
                 max_abs=0.0 if request.with_inf else None,
             )
-        for norm_type, value in zip(request.finite, piece.power_sums, strict=True):
-            stats.power_sums[norm_type] += value
+        for norm_type, value in zip(request.finite, piece.norms, strict=True):
+            stats.norms[norm_type] = kernels.add_norms(stats.norms[norm_type], value, norm_type)
         if piece.max_abs is not None:
             stats.max_abs = nan_max((stats.max_abs or 0.0, piece.max_abs))
         stats.numel += piece.numel

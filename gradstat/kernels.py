@@ -1,4 +1,4 @@
-"""Accurate, fused per-device reductions over lists of gradient tensors.
+"""Accurate, fused per-device reductions over lists of gradient tensors, and exact p-norms.
 
 PyTorch's CPU norm kernels accumulate a whole tensor in fp32: for 1e8 fp32 elements the L2 norm
 is off by ~1e-2 (pytorch/pytorch#151761). Here every fp32 accumulation is one row of ``ROW``
@@ -8,22 +8,43 @@ several threads, since independent rows parallelise better than one long reducti
 tensors use PyTorch's fused multi-tensor norm (tree reductions of short fp32 partials), one
 launch for the whole list, and the same float64 combination.
 
-Each function returns a 0-dim tensor on the gradients' device (float64 for norms, int64 for
-counts), so a CUDA caller pays one synchronisation at the end, not one per tensor.
+A sum of p-th powers need not fit in float64 (1e-160 squared underflows, 2.7e-3 to the 150th
+too, 1.37 to the 1e300th overflows): :func:`reduced_norm` then recomputes it scaled by the
+largest |x|, which is exact at any magnitude and any p > 0. Nothing here ever writes into a
+tensor it is given (read-only memory-mapped snapshots included).
+
+Tensor results are 0-dim tensors on the gradients' device (float64 for norms, int64 for counts),
+so a CUDA caller pays one synchronisation at the end, not one per tensor.
 """
 
 from __future__ import annotations
 
+import enum
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from . import native
 from .errors import GradDtypeError
 
-__all__ = ["SUPPORTED_DTYPES", "abs_max", "check_dtype", "nonzero_count", "power_sum"]
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "StatCompute",
+    "StatReduce",
+    "abs_max",
+    "add_norms",
+    "check_dtype",
+    "combine_norms",
+    "nonzero_count",
+    "norm",
+    "power_sum",
+    "reduced_norm",
+    "scaled_power_sum",
+]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -38,6 +59,15 @@ UPCAST_BLOCK = 1 << 20
 # Below this sum of p-th powers, fp32 squares may have lost precision to subnormals: recompute
 # in float64. Bounded error above it: (elements x 2^-150) / 2^-90, under 1e-8 for 2^34 elements.
 UNDERFLOW_GUARD = 2.0**-90
+# Below this float64 sum of p-th powers, terms may be float64 subnormals (each off by up to
+# 2^-1075): the norm is recomputed scaled by max |x|. Bounded error above it:
+# (elements x 2^-1075) / 2^-900, under 1e-40 for 2^64 elements.
+FLOAT64_GUARD = 2.0**-900
+
+# What runs on each rank's tensors (a statistic on ``device``), and what reduces it over the
+# ranks with an op, the same on every rank; see :func:`reduced_norm`.
+StatCompute = Callable[[list[Tensor], torch.device], Tensor]
+StatReduce = Callable[[StatCompute, dist.ReduceOp.RedOpType], Tensor]
 
 
 def check_dtype(grad: Tensor, what: str = "gradient") -> None:
@@ -153,15 +183,84 @@ def _fast_power_sum(grads: Sequence[Tensor], p: int, device: torch.device) -> Te
     return _rows_power_sum(grads, p, device)
 
 
-def _exact_power_sum(grads: Sequence[Tensor], p: float, device: torch.device) -> Tensor:
-    """Sum of |x|^p computed entirely in float64, a block at a time (slow, exact)."""
-    total = torch.zeros((), dtype=torch.float64, device=device)
+def _float64_blocks(grads: Sequence[Tensor]) -> Iterator[Tensor]:
+    """|x| of every gradient in float64, a block at a time, always in a new tensor.
+
+    ``.to(torch.float64)`` returns a float64 gradient itself, and the callers work in place:
+    without the copy they would overwrite the caller's gradient, or fault on a read-only
+    memory-mapped snapshot.
+    """
     for grad in grads:
         flat = grad.reshape(-1)
         for start in range(0, flat.numel(), UPCAST_BLOCK):
-            block = flat[start : start + UPCAST_BLOCK].to(torch.float64).abs_()
-            total += block.pow_(p).sum().to(device)
+            yield flat[start : start + UPCAST_BLOCK].to(torch.float64, copy=True).abs_()
+
+
+def _exact_power_sum(grads: Sequence[Tensor], p: float, device: torch.device) -> Tensor:
+    """Sum of |x|^p computed entirely in float64, a block at a time (slow, exact)."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for block in _float64_blocks(grads):
+        total += block.pow_(p).sum().to(device)
     return total
+
+
+def scaled_power_sum(
+    grads: Sequence[Tensor], p: float, device: torch.device, scale: float
+) -> Tensor:
+    """Sum of (|x| / scale)^p in float64, as a 0-dim tensor on ``device``.
+
+    With ``scale`` = max |x| every term lies in [0, 1] and the sum in [1, elements]: it fits in
+    float64 whatever the magnitudes and p, where the sum of |x|^p may not.
+    """
+    check_dtypes(grads)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for block in _float64_blocks(grads):
+        total += block.div_(scale).pow_(p).sum().to(device)
+    return total
+
+
+class _Sum(enum.Enum):
+    """What a plain float64 sum of |x|^p is worth."""
+
+    EXACT = "exact"  # sum |x|^p to float64 accuracy (ordinary values)
+    SCALE = "scale"  # under- or overflowed although every element is finite
+    INF = "inf"  # an element is infinite
+    NAN = "nan"  # an element is NaN
+
+
+def _checked_power_sum(
+    grads: Sequence[Tensor], p: float, device: torch.device
+) -> tuple[Tensor, _Sum]:
+    """Sum of |x|^p, and whether it is exact or must be recomputed scaled by max |x|.
+
+    Ordinary values cost one pass (fp32 rows for p = 1 and 2, float64 otherwise). A sum that
+    sank towards subnormals or overflowed is recomputed in float64, and max |x| tells a sum
+    that is truly 0 or inf from one that under- or overflowed.
+    """
+    peak: float | None = None
+
+    def largest() -> float:
+        nonlocal peak
+        if peak is None:
+            peak = float(abs_max(grads, device))
+        return peak
+
+    if p in (1, 2):
+        total = _fast_power_sum(grads, int(p), device)
+        value = float(total)
+        if UNDERFLOW_GUARD <= value < math.inf:
+            return total, _Sum.EXACT
+        if math.isnan(value):
+            return total, _Sum.NAN
+        if value == 0.0 and largest() == 0.0:
+            return total, _Sum.EXACT
+    total = _exact_power_sum(grads, p, device)
+    value = float(total)
+    if math.isnan(value):
+        return total, _Sum.NAN
+    if FLOAT64_GUARD <= value < math.inf or largest() == 0.0:
+        return total, _Sum.EXACT
+    return total, _Sum.INF if math.isinf(largest()) else _Sum.SCALE
 
 
 def power_sum(grads: Sequence[Tensor], p: float, device: torch.device) -> Tensor:
@@ -169,19 +268,155 @@ def power_sum(grads: Sequence[Tensor], p: float, device: torch.device) -> Tensor
 
     p = 1 and 2 take the fast path (fp32 rows, float64 combination) and fall back to float64
     when the fp32 partials overflowed or sank towards subnormals; other p are computed in
-    float64 throughout.
+    float64 throughout. A sum outside float64's normal range is computed scaled by max |x| and
+    comes out as near as float64 holds it (a subnormal, 0 or inf): for a norm, use
+    :func:`norm` or :func:`reduced_norm`, which never form such a sum.
 
     Raises:
         GradDtypeError: a gradient of a dtype other than fp32, bf16, fp16 or fp64.
     """
     check_dtypes(grads)
-    if p not in (1, 2):
-        return _exact_power_sum(grads, p, device)
-    total = _fast_power_sum(grads, int(p), device)
-    value = float(total)
-    if math.isfinite(value) and not 0.0 < value < UNDERFLOW_GUARD:
+    total, kind = _checked_power_sum(grads, p, device)
+    if kind is not _Sum.SCALE:
         return total
-    return _exact_power_sum(grads, p, device)
+    peak = float(abs_max(grads, device))
+    scaled = float(scaled_power_sum(grads, p, device, peak))
+    try:
+        value = scaled * peak**p
+    except OverflowError:
+        value = math.inf
+    return torch.tensor(value, dtype=torch.float64, device=device)
+
+
+def _norm_partials(grads: Sequence[Tensor], p: float, device: torch.device) -> Tensor:
+    """What one rank adds to the others' for a finite p-norm: four float64 numbers.
+
+    [sum |x|^p (0 when out of range), 1 if it under- or overflowed (or p < 1), 1 if an element
+    is infinite, 1 if one is NaN].
+    """
+    check_dtypes(grads)
+    if p < 1:
+        # The plain root multiplies the sum's rounding error by 1/p (0.5^1e-300 rounds to 1.0,
+        # whose 1e300-th power is 1.0, not 0.5): always scale. max |x| finds the non-finite
+        # elements.
+        peak = float(abs_max(grads, device))
+        flags = [0.0, 1.0, float(math.isinf(peak)), float(math.isnan(peak))]
+        return torch.tensor(flags, dtype=torch.float64, device=device)
+    total, kind = _checked_power_sum(grads, p, device)
+    if kind is _Sum.SCALE:
+        total = torch.zeros((), dtype=torch.float64, device=device)
+    flags = [float(kind is _Sum.SCALE), float(kind is _Sum.INF), float(kind is _Sum.NAN)]
+    rest = torch.tensor(flags, dtype=torch.float64, device=device)
+    return torch.cat([total.reshape(1).to(device), rest])
+
+
+def _scaled_root(scale: float, scaled_sum: float, p: float) -> float:
+    """scale * scaled_sum^(1/p) for scaled_sum >= 1; inf where that exceeds float64."""
+    try:
+        return scale * (math.sqrt(scaled_sum) if p == 2 else scaled_sum ** (1.0 / p))
+    except OverflowError:
+        pass  # the root alone overflowed (a tiny p); times a tiny scale it may not
+    try:
+        return math.exp(math.log(scale) + math.log(scaled_sum) / p)
+    except OverflowError:
+        return math.inf
+
+
+def reduced_norm(p: float, reduce: StatReduce) -> float:
+    """The p-norm of gradients spread over ranks, exact at any magnitude and for any p > 0.
+
+    ``reduce(compute, op)`` runs ``compute(tensors, device)`` on each rank's own gradients and
+    reduces the results over the ranks with ``op``; on one device it is just the call. The inf
+    norm is one MAX reduction of max |x|. A finite p is one SUM reduction of four numbers: the
+    sum of |x|^p and three counts (ranks whose sum under- or overflowed, ranks with an infinite
+    element, with a NaN). Ordinary values stop there and take the p-th root of the sum, the
+    torchtitan way. Only when a rank's sum left float64's range, the ranks' total overflowed,
+    or p < 1, do two more reductions follow: the MAX of |x|, then the SUM of (|x| / max)^p,
+    whose root times the max is the norm. The way taken depends on reduced numbers alone, so
+    every rank takes the same one.
+
+    Args:
+        p: ``math.inf`` or a finite p > 0 (the caller checked it).
+        reduce: computes a statistic on every rank and reduces it over the ranks (SUM or MAX),
+            the same on every rank.
+
+    Returns:
+        The norm: NaN if an element is NaN, else inf if one is infinite, or if the norm itself
+        exceeds float64 (a tiny p: the 0.001-norm of two equal elements is 2^1000 times them).
+    """
+    if p == math.inf:
+        return float(reduce(abs_max, dist.ReduceOp.MAX))
+
+    def partials(tensors: list[Tensor], device: torch.device) -> Tensor:
+        return _norm_partials(tensors, p, device)
+
+    total, scale, infinite, nan = reduce(partials, dist.ReduceOp.SUM).tolist()
+    if nan:
+        return math.nan
+    if infinite:
+        return math.inf
+    if not scale and math.isfinite(total):
+        return math.sqrt(total) if p == 2 else float(total ** (1.0 / p))
+    peak = float(reduce(abs_max, dist.ReduceOp.MAX))
+    if peak == 0.0:
+        return 0.0
+
+    def scaled(tensors: list[Tensor], device: torch.device) -> Tensor:
+        return scaled_power_sum(tensors, p, device, peak)
+
+    return _scaled_root(peak, float(reduce(scaled, dist.ReduceOp.SUM)), p)
+
+
+def norm(grads: Sequence[Tensor], p: float, device: torch.device) -> float:
+    """The p-norm (``math.inf`` or any finite p > 0) of ``grads`` on one device.
+
+    :func:`reduced_norm` with nothing to reduce over: exact at any magnitude and for any p.
+
+    Raises:
+        GradDtypeError: a gradient of a dtype other than fp32, bf16, fp16 or fp64.
+    """
+    tensors = list(grads)
+
+    def here(compute: StatCompute, op: dist.ReduceOp.RedOpType) -> Tensor:
+        return compute(tensors, device)
+
+    return reduced_norm(p, here)
+
+
+def add_norms(first: float, second: float, p: float) -> float:
+    """The p-norm of two disjoint sets of elements from their p-norms: (a^p + b^p)^(1/p).
+
+    a^p is never formed, so any two norms that fit in float64 combine, whatever p. NaN if
+    either is NaN (as a sum of p-th powers would be), else inf if either is infinite.
+    """
+    if math.isnan(first) or math.isnan(second):
+        return math.nan
+    big, small = max(first, second), min(first, second)
+    if small == 0.0 or big == math.inf or p == math.inf:
+        return big
+    if p == 1:
+        return big + small
+    if p == 2:
+        return math.hypot(big, small)
+    growth = math.log1p((small / big) ** p) / p  # log(norm / big), in (0, log(2) / p]
+    try:
+        return big * math.exp(growth)
+    except OverflowError:
+        pass  # the ratio alone overflowed (a tiny p); times a tiny norm it may not
+    try:
+        return math.exp(math.log(big) + growth)
+    except OverflowError:
+        return math.inf
+
+
+def combine_norms(norms: Iterable[float], p: float) -> float:
+    """The p-norm of disjoint sets of elements from their p-norms (see :func:`add_norms`)."""
+    values = list(norms)
+    if any(math.isnan(value) for value in values):
+        return math.nan
+    if p == 2:
+        return math.hypot(*values)
+    return functools.reduce(functools.partial(add_norms, p=p), values, 0.0)
 
 
 def abs_max(grads: Sequence[Tensor], device: torch.device) -> Tensor:

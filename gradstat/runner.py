@@ -249,7 +249,7 @@ def _piece_from(data: dict[str, Any]) -> Piece:
     return Piece(
         **{
             **data,
-            "power_sums": tuple(data["power_sums"]),
+            "norms": tuple(data["norms"]),
             "nonfinite": None if found is None else NonFinite(**found),
         }
     )
