@@ -128,30 +128,10 @@ def _norm(
     megatron: bool,
     tensor_parallel: Sequence[bool] | None = None,
 ) -> float:
-    if p == math.inf:
-        stat = _stat(
-            grads,
-            kernels.abs_max,
-            dist.ReduceOp.MAX,
-            group,
-            megatron=megatron,
-            tensor_parallel=tensor_parallel,
-        )
-        return float(stat)
+    def reduce(compute: kernels.StatCompute, op: dist.ReduceOp.RedOpType) -> Tensor:
+        return _stat(grads, compute, op, group, megatron=megatron, tensor_parallel=tensor_parallel)
 
-    def power_sum(tensors: list[Tensor], device: torch.device) -> Tensor:
-        return kernels.power_sum(tensors, p, device)
-
-    stat = _stat(
-        grads,
-        power_sum,
-        dist.ReduceOp.SUM,
-        group,
-        megatron=megatron,
-        tensor_parallel=tensor_parallel,
-    )
-    total = float(stat)
-    return math.sqrt(total) if p == 2 else total ** (1.0 / p)
+    return kernels.reduced_norm(p, reduce)
 
 
 def get_grad_norm_fp32(
@@ -162,7 +142,9 @@ def get_grad_norm_fp32(
     """The p-norm of all gradients, treated as one vector, reduced over the stats group.
 
     Each rank computes sum |x|^p of its own gradients (max |x| for inf) in float64, reduces it
-    over ``grad_stats_parallel_group`` and takes the p-th root. Callers pass only the
+    over ``grad_stats_parallel_group`` and takes the p-th root; when a sum leaves float64's
+    range (tiny or huge values, large p) or p < 1, every rank takes the scaled path instead
+    (max |x|, then sum (|x|/max)^p), so any p > 0 is exact. Callers pass only the
     gradients that count (see :func:`grads_for_norm`). DTensor gradients count by their own
     placements on any mesh (Shard pieces all, Replicate copies once) and are reduced over their
     mesh first, unless the stats group covers the mesh: a mesh rank is never counted twice.

@@ -30,14 +30,8 @@ from tests._params import param_with
 
 CPU = torch.device("cpu")
 SUM, MAX = torch.distributed.ReduceOp.SUM, torch.distributed.ReduceOp.MAX
-# get_grad_norm_fp32 reduces sum |x|^p as one float64 number, which under- or overflows here;
-# clip_grads._norm has to hand its reduction to kernels.reduced_norm, which scales by max |x|.
 # The promise for fp32 L2 and L1 (fp32 sums of 512-element rows); float64 paths are held to 1e-9.
 FP32_ROWS = 1e-6
-NEEDS_REDUCED_NORM = pytest.mark.xfail(
-    strict=True,
-    reason="clip_grads._norm still roots a plain float64 sum of |x|^p; wire kernels.reduced_norm",
-)
 
 
 def exact_norm(values: Sequence[float], p: float) -> float:
@@ -139,7 +133,6 @@ def test_tiny_fp32_through_get_grad_norm_fp32(p: float) -> None:
     assert rel_err(get_grad_norm_fp32(grads, p), expected) <= 1e-6
 
 
-@NEEDS_REDUCED_NORM
 @pytest.mark.parametrize("p", [2, 3])
 def test_tiny_float64_through_get_grad_norm_fp32(p: float) -> None:
     grads = [scaled_randn(4099, 1e-160, torch.float64, 7)]
@@ -216,14 +209,12 @@ def test_tiny_p_is_exact_or_beyond_float64() -> None:
     assert rel_err(kernels.norm([tiny_pair], 5e-4, CPU), exact_norm([1e-300, 1e-300], 5e-4)) < 1e-9
 
 
-@NEEDS_REDUCED_NORM
 @pytest.mark.parametrize("p", [150, 1e300])
 def test_large_p_through_get_grad_norm_fp32(p: float) -> None:
     grads = small_grads()
     assert rel_err(get_grad_norm_fp32(grads, p), expected_norm(values_of(*grads), p)) <= 1e-9
 
 
-@NEEDS_REDUCED_NORM
 def test_small_p_through_get_grad_norm_fp32() -> None:
     grads = [scaled_randn(3000, 1.0, torch.float32, 14)]
     assert get_grad_norm_fp32(grads, 0.01) == math.inf  # 2571^100 and more
