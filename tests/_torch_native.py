@@ -2,8 +2,8 @@
 
 Each job runs one real training step (loss and backward) on gloo CPU ranks with PyTorch's own
 parallelism: ``fully_shard`` (FSDP2) on a 1-D mesh, HSDP on a 2x2 mesh, ``parallelize_module``
-TP with and without SequenceParallel x FSDP2 on a 2x2 mesh, and DDP. The truth every number is
-held against is float64 statistics of the full gradients the job holds (``full_tensor()``),
+TP with and without SequenceParallel x FSDP2 on a 2x2 mesh, HSDP x TP on a 2x1x2 mesh, and
+DDP. The truth every number is held against is float64 statistics of the full gradients the job holds (``full_tensor()``),
 each logical parameter once, computed here without gradstat.
 
 The model has a tied embedding (the output layer shares it), shapes that FSDP2 shards unevenly
@@ -25,7 +25,7 @@ VOCAB, DIM, HEADS, FFN, LAYERS = 37, 12, 2, 22, 2
 BATCH, SEQ = 2, 6
 UNUSED_TOKENS = (3, 5, 30, 31, 32, 33, 34, 35, 36)
 SEED = 20261130
-JOBS = ("fsdp2", "hsdp", "tp_fsdp2", "tp_sp_fsdp2", "ddp")
+JOBS = ("fsdp2", "hsdp", "tp_fsdp2", "tp_sp_fsdp2", "hsdp_tp_sp", "ddp")
 # Wrapper prefixes a job's parameter names carry, which gradstat strips.
 PREFIXES = ("module.", "_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
@@ -186,13 +186,21 @@ def build(job: str) -> tuple[nn.Module, Any]:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model, mesh
-    sequence_parallel = job == "tp_sp_fsdp2"
-    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_shard", "tp"))
+    if job == "hsdp_tp_sp":  # a 3-D mesh: HSDP (2 x 1) x TP 2 with SequenceParallel
+        mesh = init_device_mesh(
+            "cpu", (2, 1, world // 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp")
+        )
+        data_parallel = mesh["dp_replicate", "dp_shard"]
+        sequence_parallel = True
+    else:
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_shard", "tp"))
+        data_parallel = mesh["dp_shard"]
+        sequence_parallel = job == "tp_sp_fsdp2"
     parallelize_module(model, mesh["tp"], _tp_plan(sequence_parallel))
     model.output.weight = model.tok_embeddings.weight  # the plan replaced the tied parameter
     for layer in model.layers.values():
-        fully_shard(layer, mesh=mesh["dp_shard"])
-    fully_shard(model, mesh=mesh["dp_shard"])
+        fully_shard(layer, mesh=data_parallel)
+    fully_shard(model, mesh=data_parallel)
     return model, mesh
 
 

@@ -28,9 +28,9 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 MAX_NORM = 0.5  # below every job's norm (about 6.3): clipping scales
 REL = 1e-6
 # Where PyTorch's own clip_grad_norm_ works: every DTensor on one mesh (or none).
-PYTORCH_CLIPS = ("fsdp2", "hsdp", "tp_sp_fsdp2", "ddp")
+PYTORCH_CLIPS = ("fsdp2", "hsdp", "tp_sp_fsdp2", "hsdp_tp_sp", "ddp")
 # Where get_grad_norm_fp32 with the default group sees every copy through placements alone.
-MEGATRON_API_EXACT = ("fsdp2", "hsdp", "tp_sp_fsdp2")
+MEGATRON_API_EXACT = ("fsdp2", "hsdp", "tp_sp_fsdp2", "hsdp_tp_sp")
 PLANTED = "hsdp-planted"
 
 
