@@ -3,8 +3,8 @@
 Each job runs one real training step (loss and backward) on gloo CPU ranks with PyTorch's own
 parallelism: ``fully_shard`` (FSDP2) on a 1-D mesh, HSDP on a 2x2 mesh, ``parallelize_module``
 TP with and without SequenceParallel x FSDP2 on a 2x2 mesh, HSDP x TP on a 2x1x2 mesh, and
-DDP. The truth every number is held against is float64 statistics of the full gradients the job holds (``full_tensor()``),
-each logical parameter once, computed here without gradstat.
+DDP. The truth every number is held against is float64 statistics of the full gradients the
+job holds (``full_tensor()``), each logical parameter once, computed here without gradstat.
 
 The model has a tied embedding (the output layer shares it), shapes that FSDP2 shards unevenly
 over 2 or 4 ranks, and vocabulary rows no token uses, whose gradient rows are exactly zero.
