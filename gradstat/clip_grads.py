@@ -104,7 +104,6 @@ def _stat(
         if any(type(grad) is not Tensor and is_dtensor(grad) for grad in grads):
             plain, meshes = split_by_mesh(grads, tensor_parallel, root=not megatron)
         reduces_later = megatron or group is not None
-        later = group_ranks(group, default_world=megatron)
         every = plain + [shard for bucket in meshes for shard in bucket.shards]
         mesh_groups = [bucket.mesh.get_group(mesh_dim=0) for bucket in meshes]
         device = stats_device(every, *mesh_groups, group if reduces_later else None)
@@ -112,6 +111,7 @@ def _stat(
         if plain_offset:
             stat = stat + plain_offset
         # Every rank joins the reductions, also one with no gradients: skipping would hang.
+        later = group_ranks(group, default_world=megatron) if meshes else frozenset()
         for bucket in meshes:
             part = reduce_over_mesh(compute(bucket.shards, device), op, bucket.mesh, later)
             stat = torch.maximum(stat, part) if op == dist.ReduceOp.MAX else stat + part
@@ -382,14 +382,15 @@ def count_zeros_fp32(
         grad = getattr(param, attr, None)
         if grad is None:
             continue
+        local = to_local(grad).detach()
         if getattr(param, "__fsdp_param__", False):
-            fsdp_shards.append(to_local(grad).detach())
+            fsdp_shards.append(local)
         elif _counts(param, tp_groups, gtp_groups):
-            pad_zeros += _gtp_pad_zero_count(param, to_local(grad))
+            pad_zeros += _gtp_pad_zero_count(param, local)
             counted.append(grad.detach())
         else:
             continue
-        kernels.check_dtype(to_local(grad))
+        kernels.check_dtype(local)
     if fsdp_shards and any(is_dtensor(grad) for grad in counted):
         raise ValueError(
             "Megatron-FSDP params (__fsdp_param__) are mixed with DTensor gradients that need a "

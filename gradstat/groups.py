@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .errors import PartialGradientError
-from .placements import MeshPlacement, describe, root_mesh
+from .placements import describe, root_mesh
 
 try:
     from torch.distributed.tensor import DTensor
@@ -204,14 +204,9 @@ def split_by_mesh(
         mesh = root_mesh(dtensor.device_mesh) if root else dtensor.device_mesh
         bucket = meshes.setdefault(_mesh_key(mesh), MeshShards(mesh))
         is_tp = bool(tensor_parallel[index]) if root and tensor_parallel else False
-        replica = place.is_replica(is_tp) if root else _own_replica(place)
-        if not replica:
+        if not place.is_replica(is_tp, across_root=root):
             bucket.shards.append(dtensor.to_local())
     return plain, [meshes[key] for key in sorted(meshes)]
-
-
-def _own_replica(place: MeshPlacement) -> bool:
-    return MeshPlacement(place.mesh_shape, place.coordinate, place.placements, ()).is_replica()
 
 
 def group_ranks(group: Any, *, default_world: bool) -> frozenset[int]:

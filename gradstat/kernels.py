@@ -41,7 +41,6 @@ __all__ = [
     "combine_norms",
     "nonzero_count",
     "norm",
-    "power_sum",
     "reduced_norm",
     "scaled_power_sum",
 ]
@@ -261,31 +260,6 @@ def _checked_power_sum(
     if FLOAT64_GUARD <= value < math.inf or largest() == 0.0:
         return total, _Sum.EXACT
     return total, _Sum.INF if math.isinf(largest()) else _Sum.SCALE
-
-
-def power_sum(grads: Sequence[Tensor], p: float, device: torch.device) -> Tensor:
-    """Sum over all gradients of sum |x|^p, as a 0-dim float64 tensor on ``device``.
-
-    p = 1 and 2 take the fast path (fp32 rows, float64 combination) and fall back to float64
-    when the fp32 partials overflowed or sank towards subnormals; other p are computed in
-    float64 throughout. A sum outside float64's normal range is computed scaled by max |x| and
-    comes out as near as float64 holds it (a subnormal, 0 or inf): for a norm, use
-    :func:`norm` or :func:`reduced_norm`, which never form such a sum.
-
-    Raises:
-        GradDtypeError: a gradient of a dtype other than fp32, bf16, fp16 or fp64.
-    """
-    check_dtypes(grads)
-    total, kind = _checked_power_sum(grads, p, device)
-    if kind is not _Sum.SCALE:
-        return total
-    peak = float(abs_max(grads, device))
-    scaled = float(scaled_power_sum(grads, p, device, peak))
-    try:
-        value = scaled * peak**p
-    except OverflowError:
-        value = math.inf
-    return torch.tensor(value, dtype=torch.float64, device=device)
 
 
 def _norm_partials(grads: Sequence[Tensor], p: float, device: torch.device) -> Tensor:

@@ -23,11 +23,10 @@ __all__ = [
     "is_tensor_parallel_dim",
     "placement_code",
     "root_mesh",
-    "shard_dim",
     "valid_code",
 ]
 
-_CODE = re.compile(r"^(R|P|S\((\d+)\))$")
+_CODE = re.compile(r"^(R|P|S\(\d+\))$")
 
 
 def is_pipeline_dim(name: str) -> bool:
@@ -50,12 +49,6 @@ def placement_code(placement: Any) -> str:
     if isinstance(dim, int):  # Shard; _StridedShard is not is_shard() in torch 2.13
         return f"S({dim})"
     raise ValueError(f"DTensor placement {placement!r} is not Shard, Replicate or Partial")
-
-
-def shard_dim(code: str) -> int | None:
-    """The tensor dimension of an ``S(d)`` code; None for R and P."""
-    match = _CODE.match(code)
-    return int(match.group(2)) if match and match.group(2) is not None else None
 
 
 def valid_code(code: Any) -> bool:
@@ -92,29 +85,24 @@ class MeshPlacement:
         """The mesh dimensions on which the gradient is Partial (pending a reduction)."""
         return [self.dim_name(dim) for dim, code in enumerate(self.placements) if code == "P"]
 
-    def is_replica(self, tensor_parallel: bool = False) -> bool:
+    def is_replica(self, tensor_parallel: bool = False, *, across_root: bool = True) -> bool:
         """True when another rank's shard holding the same values is the one that counts.
 
         Args:
             tensor_parallel: the parameter is marked ``tensor_model_parallel`` (Megatron): a
                 TP-named root dimension outside the mesh splits it rather than copying it.
+            across_root: also count the copies along the root mesh; False: the DTensor's own
+                placements alone (Megatron's attribute filters removed the other copies).
         """
         if any(
             code == "R" and index != 0
             for code, index in zip(self.placements, self.coordinate, strict=True)
         ):
             return True
-        return any(
+        return across_root and any(
             rank != 0
             for name, rank, _ in self.copies
             if not (tensor_parallel and is_tensor_parallel_dim(name))
-        )
-
-    def tensor_parallel(self) -> bool:
-        """Sharded on a mesh dimension named like a TP axis: tensor-parallel by placement."""
-        return any(
-            shard_dim(code) is not None and is_tensor_parallel_dim(self.dim_name(dim))
-            for dim, code in enumerate(self.placements)
         )
 
 
