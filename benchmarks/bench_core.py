@@ -6,7 +6,9 @@ rows) plus the same set in bf16, then times gradstat and its peer alternately, r
 
 - L2 and inf norm: ``get_grad_norm_fp32`` vs ``torch.nn.utils.get_total_norm``;
 - zero count: ``count_zeros_fp32`` vs ``numel - torch.count_nonzero`` per tensor;
-- bf16 L2 norm: the same pair on the bf16 copy.
+- bf16 L2 norm: the same pair on the bf16 copy;
+- on CUDA also: L2 through ``gradstat.GradNorm`` (prepared once, as a training loop calls it),
+  L2 with CUDA graphs off, and L2 of the same bytes as one tensor (the kernels' ceiling).
 
 Each row reports the median over repeats of the per-repeat time ratio ours/peer, the ratio of
 the fastest times, and both results' relative error against a float64 oracle computed block by
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -265,7 +268,7 @@ def make_cases(
             f"bench_core: zero counts differ: gradstat {ours_count}, torch {peer_count}, "
             f"oracle {expected_zeros}"
         )
-    return [
+    cases = [
         Case(
             "L2 fp32",
             "get_total_norm(2.0)",
@@ -301,6 +304,55 @@ def make_cases(
             oracle_l2(bf16_cpu),
             2.0,
             bf16_bytes,
+        ),
+    ]
+    if grads[0].is_cuda:
+        cases += _cuda_cases(grads, oracle_l2(cpu_grads), fp32_bytes)
+    return cases
+
+
+def _cuda_cases(grads: list[Tensor], l2: float, fp32_bytes: int) -> list[Case]:
+    """The training loop's way (GradNorm, prepared once), what the graph replay is worth (the
+    same call with graphs off), and the ceiling: the same bytes as one tensor, where the host's
+    per-tensor cost is gone."""
+    get_total_norm = torch.nn.utils.get_total_norm
+
+    def eager() -> float:
+        os.environ["GRADSTAT_CUDA_GRAPHS"] = "0"
+        try:
+            return gradstat.get_grad_norm_fp32(grads, 2)
+        finally:
+            del os.environ["GRADSTAT_CUDA_GRAPHS"]
+
+    flat = torch.cat([grad.reshape(-1) for grad in grads])
+    prepared = gradstat.GradNorm(grads, 2)
+    return [
+        Case(
+            "L2 fp32, GradNorm prepared once",
+            "get_total_norm(2.0)",
+            prepared,
+            lambda: float(get_total_norm(grads, 2.0)),
+            l2,
+            1.0,
+            fp32_bytes,
+        ),
+        Case(
+            "L2 fp32, CUDA graphs off",
+            "get_total_norm(2.0)",
+            eager,
+            lambda: float(get_total_norm(grads, 2.0)),
+            l2,
+            1.0,
+            fp32_bytes,
+        ),
+        Case(
+            "L2 fp32, one flat tensor",
+            "vector_norm",
+            lambda: gradstat.get_grad_norm_fp32([flat], 2),
+            lambda: float(torch.linalg.vector_norm(flat, 2)),
+            l2,
+            1.0,
+            fp32_bytes,
         ),
     ]
 

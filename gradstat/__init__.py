@@ -13,6 +13,7 @@ from ._version import __version__
 
 if TYPE_CHECKING:
     from .clip_grads import (
+        GradNorm,
         clip_grad_by_total_norm_fp32,
         count_zeros_fp32,
         get_grad_norm_fp32,
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from .groups import AxisPlace
 
 _LAZY = {
+    "GradNorm": "clip_grads",
     "clip_grad_by_total_norm_fp32": "clip_grads",
     "count_zeros_fp32": "clip_grads",
     "get_grad_norm_fp32": "clip_grads",
@@ -44,6 +46,7 @@ _LAZY = {
 
 __all__ = [
     "AxisPlace",
+    "GradNorm",
     "GradstatError",
     "__version__",
     "clip_grad_by_total_norm_fp32",

@@ -9,7 +9,7 @@ mkdir -p "$out"
 status=0
 nvidia-smi -L
 python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name(0))'
-python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$out/test_cuda.log" || status=1
+python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_cuda_plans.py 2>&1 | tee "$out/test_cuda.log" || status=1
 python3 benchmarks/bench_core.py --device cuda --gib "${GIB:-4}" --bandwidth-gbs 4800 2>&1 \
     | tee "$out/bench_core_cuda.md" || status=1
 exit "$status"

@@ -139,3 +139,84 @@ def test_compare_and_audit_on_cuda_find_what_cpu_finds() -> None:
                 assert math.isclose(got["norm_a"], want["norm_a"], rel_tol=1e-6, abs_tol=1e-12)
         else:
             assert cuda["findings"] == cpu["findings"] == []
+
+
+def _training_grads(count: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randn(1000 + 37 * index, generator=gen).cuda() for index in range(count)]
+
+
+def test_repeated_calls_replay_a_graph_that_sees_each_steps_values() -> None:
+    """A training loop's pattern: the same gradients every step, new values in place."""
+    from gradstat import kernels
+
+    grads = _training_grads(300)
+    for step in range(6):
+        for grad in grads:
+            grad.mul_(1.5 if step % 2 else 0.5)
+        grads[step * 11].zero_()
+        expected = float64_norm([grad.cpu() for grad in grads], 2)
+        assert rel_err(get_grad_norm_fp32(grads, 2), expected) <= 1e-6
+        l1 = float64_norm([grad.cpu() for grad in grads], 1)
+        assert rel_err(get_grad_norm_fp32(grads, 1), l1) <= 1e-6
+    assert get_grad_norm_fp32(grads, 1) == get_grad_norm_fp32(grads, 1)
+    plans = list(kernels._CUDA_PLANS.plans.values())
+    assert any(plan.graph is not None for plan in plans), "the same list twice replays a graph"
+    # Faults in place reach the replayed graph: NaN, inf, all zero, tiny values.
+    grads[5][3] = math.nan
+    assert math.isnan(get_grad_norm_fp32(grads, 2))
+    grads[5][3] = math.inf
+    assert get_grad_norm_fp32(grads, 2) == math.inf
+    for grad in grads:
+        grad.zero_()
+    assert get_grad_norm_fp32(grads, 2) == 0.0
+    grads[9][0], grads[200][1] = 3e-30, 4e-30
+    assert rel_err(get_grad_norm_fp32(grads, 2), 5e-30) <= 1e-6
+
+
+def test_a_changed_or_freed_list_is_not_replayed() -> None:
+    from gradstat import kernels
+
+    def check(grads: list[torch.Tensor]) -> None:
+        expected = float64_norm([grad.cpu() for grad in grads], 2)
+        assert rel_err(get_grad_norm_fp32(grads, 2), expected) <= 1e-6
+
+    grads = _training_grads(50)
+    for _ in range(3):
+        check(grads)
+    check(grads[:-1])
+    grads[1].data = torch.zeros_like(grads[1])  # the same object, another storage
+    check(grads)
+    check(grads)
+    swapped = list(grads)
+    swapped[0] = torch.full_like(grads[0], 2.0)
+    check(swapped)
+    check(swapped)
+    key = (2, *map(id, swapped))
+    assert key in kernels._CUDA_PLANS.plans
+    del swapped
+    assert key not in kernels._CUDA_PLANS.plans, "a freed gradient drops the plan"
+
+
+def test_a_prepared_grad_norm_follows_the_gradients_step_by_step() -> None:
+    from gradstat import GradNorm
+
+    grads = _training_grads(200)
+    norm, l1 = GradNorm(grads), GradNorm(grads, 1)
+    for step in range(5):
+        for grad in grads:
+            grad.mul_(0.5 + step)
+        cpu = [grad.cpu() for grad in grads]
+        assert rel_err(norm(), float64_norm(cpu, 2)) <= 1e-6
+        assert rel_err(l1(), float64_norm(cpu, 1)) <= 1e-6
+    grads[3].data = torch.full_like(grads[3], 7.0)  # a replaced storage is read, not the old one
+    assert rel_err(norm(), float64_norm([grad.cpu() for grad in grads], 2)) <= 1e-6
+    grads[0][0] = math.nan
+    assert math.isnan(norm())
+    grads[0][0] = math.inf
+    assert norm() == math.inf
+    for grad in grads:
+        grad.zero_()
+    assert norm() == 0.0
+    grads[1][2] = 1e-200 if grads[1].dtype == torch.float64 else 1e-30
+    assert rel_err(norm(), float(grads[1][2])) <= 1e-6
