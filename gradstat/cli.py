@@ -2,16 +2,29 @@
 
 Importing this module must stay cheap: torch is imported only by the commands that need it, so
 ``gradstat --help`` and ``gradstat --version`` answer at once. stdout carries results only (a
-table, or exactly one JSON document with ``--json``); errors are one line on stderr.
+table, or exactly one JSON document with ``--json``); errors, usage errors included, are one
+line on stderr: ``gradstat: error: ...``.
+
+Names and paths are shown as data: rich markup in them (``[/]``, ``[i]``) is printed literally,
+and characters that are not printable (ESC, newlines, a lone surrogate from an undecodable byte
+of a path) are written as ``repr`` writes them (``\\x1b``), in tables and error lines alike.
+The JSON keeps the true strings; it is ASCII, so a lone surrogate is written as the escape
+``\\udcff``, which Python's ``json`` reads back to the same string (``os.fsencode`` then gives
+the original bytes).
 
 Exit status: 0 fine, 1 findings (non-finite gradients, compare mismatches, audit findings), 2
-bad input or usage.
+bad input or usage, 141 when the reader of stdout leaves early (``gradstat norm DIR | head -1``):
+the output stops quietly with the status a shell reports for ``cat`` or ``seq`` there, killed
+by SIGPIPE (128 + 13). gradstat exits with that status rather than restoring SIGPIPE's default
+action, which would let a closed socket under torchrun kill it without a word.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -21,19 +34,92 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
+from typer.core import TyperGroup
 
 from ._version import __version__
 
 if TYPE_CHECKING:
+    from typer._click.exceptions import UsageError
+
     from .analysis import SnapshotStats
     from .snapshot import RankFile, Snapshot
+else:
+    # typer exports one click exception on every release, whether it vendors click (0.2x on)
+    # or depends on it: BadParameter, whose base class is click's UsageError.
+    UsageError = typer.BadParameter.__base__
 
 EXIT_FINDINGS, EXIT_BAD_INPUT = 1, 2
+EXIT_BROKEN_PIPE = 128 + 13  # a shell's status for a tool killed by SIGPIPE
 
 # torch without numpy warns at import; gradstat needs no numpy, and stderr is for errors.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
+
+def _fail(message: str) -> typer.Exit:
+    """Print ``message`` as the one error line on stderr; the caller raises the returned Exit."""
+    from .render import visible
+
+    typer.echo(f"gradstat: error: {visible(message)}", err=True)
+    return typer.Exit(EXIT_BAD_INPUT)
+
+
+def _usage_error(error: UsageError) -> int:
+    """One line for a usage error (unknown option, missing argument, bad value); its status."""
+    if type(error).__name__ == "NoArgsIsHelpError":
+        return error.exit_code  # a bare ``gradstat``: typer printed the help already
+    message = error.format_message().rstrip(".")
+    command = error.ctx.command_path if error.ctx is not None else "gradstat"
+    _fail(f"{message[:1].lower()}{message[1:]}; see '{command} --help'")
+    return error.exit_code
+
+
+class _ResultConsole(Console):
+    """rich's Console, leaving a closed pipe on stdout to ``_quiet_broken_pipe``.
+
+    rich would exit with status 1 there, the status of findings.
+    """
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True  # nothing more is drawn
+        raise BrokenPipeError(errno.EPIPE, "the reader of stdout is gone")
+
+
+@contextmanager
+def _quiet_broken_pipe() -> Iterator[None]:
+    """Write to stdout and flush; a reader gone early (``| head -1``) ends the run quietly.
+
+    Raises:
+        typer.Exit: status 141, when the pipe on stdout is closed.
+    """
+    try:
+        yield
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # What is still buffered goes nowhere, so the flush at exit does not fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        raise typer.Exit(EXIT_BROKEN_PIPE) from None
+
+
+class _Commands(TyperGroup):
+    """Typer's command group, with a usage error as one line on stderr instead of a panel."""
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        if not kwargs.get("standalone_mode", True):
+            return super().main(*args, **kwargs)
+        # Not standalone, typer raises a usage error instead of drawing it, and returns the
+        # exit status instead of exiting with it; ``sys.exit`` then passes it on.
+        kwargs["standalone_mode"] = False
+        try:
+            status = super().main(*args, **kwargs)
+        except UsageError as error:
+            status = _usage_error(error)
+        sys.exit(status if isinstance(status, int) else 0)
+
+
 app = typer.Typer(
+    cls=_Commands,
     name="gradstat",
     help="Megatron-exact gradient norms, clipping and zero counts for sharded gradients.",
     no_args_is_help=True,
@@ -54,15 +140,24 @@ DeviceOption = Annotated[
         "--device", help="cpu, cuda (cuda:LOCAL_RANK under torchrun) or auto (cuda if any)."
     ),
 ]
+
+
+def _finite(value: float) -> float:
+    """Refuse inf and nan where a number of seconds or a tolerance is wanted (a usage error)."""
+    if not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
+    return value
+
+
 TimeoutOption = Annotated[
     float,
-    typer.Option("--timeout", min=1.0, help="Seconds to wait for other processes under torchrun."),
+    typer.Option(
+        "--timeout",
+        min=1.0,
+        callback=_finite,
+        help="Seconds to wait for other processes under torchrun.",
+    ),
 ]
-
-
-def _fail(message: str) -> typer.Exit:
-    typer.echo(f"gradstat: error: {message}", err=True)
-    return typer.Exit(EXIT_BAD_INPUT)
 
 
 @contextmanager
@@ -141,11 +236,14 @@ def _refuse_overflow(snapshot_dir: Path, stats: SnapshotStats, p: float, shown: 
 
 
 def _emit(as_json: bool, document: dict[str, Any], draw: Callable[[Console], None]) -> None:
-    if as_json:
-        sys.stdout.write(json.dumps(document, indent=2, allow_nan=False) + "\n")
-    else:
-        # A terminal gets its own width; a pipe or a log file gets tables that do not fold.
-        draw(Console(width=None if sys.stdout.isatty() else 160))
+    """Print the results: one JSON document (ASCII, names as they are), or rich tables."""
+    with _quiet_broken_pipe():
+        if as_json:
+            sys.stdout.write(json.dumps(document, indent=2, allow_nan=False) + "\n")
+        else:
+            # A terminal gets its own width; a pipe or a log file gets tables that do not fold.
+            # Names are data: no ``:name:`` code in them becomes an emoji.
+            draw(_ResultConsole(width=None if sys.stdout.isatty() else 160, emoji=False))
 
 
 def _print_version(value: bool) -> None:
@@ -275,7 +373,9 @@ def clip(
     _emit(as_json, report.to_json(), lambda console: print_clip(console, report))
 
 
-RtolOption = Annotated[float, typer.Option("--rtol", min=0.0, help="Relative tolerance.")]
+RtolOption = Annotated[
+    float, typer.Option("--rtol", min=0.0, callback=_finite, help="Relative tolerance.")
+]
 
 
 @app.command()

@@ -1,4 +1,11 @@
-"""Rich tables for the report rows (the other rendering is ``to_json``)."""
+"""Rich tables for the report rows (the other rendering is ``to_json``).
+
+Parameter names, paths and whatever else a snapshot or the command line supplies are data: they
+go through ``_shown``, so no text in them is taken for rich markup or reaches the terminal as a
+control sequence. Print with ``Console(emoji=False)``: rich would turn ``:name:`` codes into
+emoji otherwise. Importing this module is cheap (no torch): the CLI's error line uses
+``visible``.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +16,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .report import ClipReport, InspectReport, NormReport, SnapshotInfo, ZerosReport
-
 if TYPE_CHECKING:
     from .audit import AuditReport
     from .compare import CompareReport
+    from .report import ClipReport, InspectReport, NormReport, SnapshotInfo, ZerosReport
 
 __all__ = [
     "print_audit",
@@ -22,7 +28,26 @@ __all__ = [
     "print_inspect",
     "print_norm",
     "print_zeros",
+    "visible",
 ]
+
+
+def visible(text: str) -> str:
+    """``text`` with each character that is not printable written as ``repr`` writes it.
+
+    An ESC or OSC sequence in a parameter name must not reach the terminal, a newline must not
+    break a one-line message, and a lone surrogate (an undecodable byte of a path, decoded
+    with surrogateescape) must not fail the encoding of stdout: they read ``\\x1b``,
+    ``\\n``, ``\\udcff``. Backslashes are left as they are, so a name is shown as written.
+    """
+    if text.isprintable():
+        return text
+    return "".join(char if char.isprintable() else repr(char)[1:-1] for char in text)
+
+
+def _shown(text: str) -> str:
+    """Data as rich markup that shows it literally: ``[/]`` and ``[i]`` stay text."""
+    return escape(visible(text))
 
 
 def _number(value: float, digits: int = 6) -> str:
@@ -42,7 +67,7 @@ def _norm_name(norm_type: float) -> str:
 def _header(console: Console, info: SnapshotInfo) -> None:
     optimizer = "distributed optimizer" if info.distributed_optimizer else "plain optimizer"
     step = "" if info.step is None else f", step {info.step}"
-    console.print(f"[bold]{info.path}[/]: {info.world_size} ranks, {optimizer}{step}")
+    console.print(f"[bold]{_shown(info.path)}[/]: {info.world_size} ranks, {optimizer}{step}")
 
 
 def print_norm(console: Console, report: NormReport) -> None:
@@ -66,7 +91,7 @@ def print_norm(console: Console, report: NormReport) -> None:
     for column in (f"{name} norm", share, "elements", "ranks"):
         table.add_column(column, justify="right")
     for row in report.params:
-        label = f"{row.name} [dim](expert)[/]" if row.expert else row.name
+        label = f"{_shown(row.name)} [dim](expert)[/]" if row.expert else _shown(row.name)
         shown = "-" if math.isnan(row.share) else f"{row.share:.2%}"
         table.add_row(label, _number(row.norm), shown, str(row.num_elements), str(row.ranks))
     console.print(table)
@@ -77,7 +102,7 @@ def print_norm(console: Console, report: NormReport) -> None:
         for column in ("NaN", "Inf"):
             found.add_column(column, justify="right")
         for item in report.nonfinite:
-            found.add_row(str(item.rank), item.name, str(item.nan), str(item.inf))
+            found.add_row(str(item.rank), _shown(item.name), str(item.nan), str(item.inf))
         console.print(found)
 
 
@@ -93,7 +118,7 @@ def print_zeros(console: Console, report: ZerosReport) -> None:
         table.add_column(column, justify="right")
     for row in report.params:
         table.add_row(
-            row.name,
+            _shown(row.name),
             str(row.num_zeros),
             str(row.num_elements),
             f"{row.sparsity:.2%}",
@@ -104,7 +129,7 @@ def print_zeros(console: Console, report: ZerosReport) -> None:
 
 def print_inspect(console: Console, report: InspectReport) -> None:
     _header(console, report.snapshot)
-    axes = ", ".join(f"{axis}={size}" for axis, size in report.axes.items() if size > 1)
+    axes = _shown(", ".join(f"{axis}={size}" for axis, size in report.axes.items() if size > 1))
     total = sum(file.bytes for file in report.files)
     console.print(
         f"format version {report.format_version}; axes: {axes or 'none split'}; "
@@ -131,10 +156,17 @@ def print_inspect(console: Console, report: InspectReport) -> None:
         if row.no_grad:
             notes.append("no gradient")
         shape = "x".join(str(dim) for dim in row.local_shape) or "scalar"
-        table.add_row(row.name, row.dtype, shape, str(row.ranks), row.kind, ", ".join(notes))
+        table.add_row(
+            _shown(row.name),
+            _shown(row.dtype),
+            shape,
+            str(row.ranks),
+            row.kind,
+            _shown(", ".join(notes)),
+        )
     console.print(table)
     for note in report.notes:
-        console.print(f"note: {note}")
+        console.print(f"note: {_shown(note)}")
 
 
 def print_clip(console: Console, report: ClipReport) -> None:
@@ -147,10 +179,10 @@ def print_clip(console: Console, report: ClipReport) -> None:
         else "copied unchanged (non-finite norm)"
     )
     console.print(
-        f"{report.snapshot}: total {name} norm {_number(report.total_norm, 10)}, "
+        f"{_shown(report.snapshot)}: total {name} norm {_number(report.total_norm, 10)}, "
         f"max_norm {report.max_norm:g}: gradients {action}"
     )
-    console.print(f"wrote {report.out}")
+    console.print(f"wrote {_shown(report.out)}")
 
 
 def _maybe(value: float | int | None, digits: int = 6) -> str:
@@ -185,7 +217,7 @@ def print_compare(console: Console, report: CompareReport, show_all: bool = Fals
             elementwise = "[dim]n/a[/]"
         flags = ", ".join(param.flags)
         table.add_row(
-            escape(param.name),
+            _shown(param.name),
             _maybe(param.norm_a),
             _maybe(param.norm_b),
             _maybe(param.rel_diff, 3),
@@ -200,7 +232,7 @@ def print_compare(console: Console, report: CompareReport, show_all: bool = Fals
     if unplaced:
         console.print(
             f"[dim]{len(unplaced)} parameters not compared element by element "
-            f"(first: {escape(unplaced[0].name)}: {escape(unplaced[0].not_rebuilt or '')})[/]"
+            f"(first: {_shown(unplaced[0].name)}: {_shown(unplaced[0].not_rebuilt or '')})[/]"
         )
     if report.flagged:
         console.print(f"the snapshots [bold red]differ[/] beyond rtol {report.rtol:g}")
@@ -232,7 +264,7 @@ def print_audit(console: Console, report: AuditReport) -> None:
         table.add_row(
             str(number),
             finding.kind,
-            escape(finding.name),
+            _shown(finding.name),
             ranks,
             _maybe(finding.max_abs_diff, 4),
             _maybe(finding.norm_if_miscounted, 8),
@@ -240,4 +272,4 @@ def print_audit(console: Console, report: AuditReport) -> None:
         )
     console.print(table)
     for number, finding in enumerate(report.findings, 1):
-        console.print(f"{number:>2}. {escape(finding.detail)}")
+        console.print(f"{number:>2}. {_shown(finding.detail)}")
