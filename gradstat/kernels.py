@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import native
+from . import _triton, native
 from .errors import GradDtypeError
 
 __all__ = [
@@ -203,8 +203,11 @@ def _device_partials(grads: Sequence[Tensor], p: int) -> Tensor:
     infinite one, is flagged for rescaling (zeroed), and the scaled path then tells an infinite
     or all-zero gradient from an overflow or underflow by max |x|. A NaN sum flags NaN.
     """
-    device = grads[0].device
-    total = _foreach_power_sum(grads, p, device)
+    return _partials_of(_foreach_power_sum(grads, p, grads[0].device))
+
+
+def _partials_of(total: Tensor) -> Tensor:
+    """[sum, rescale, 0, nan] from a device's float64 sum of |x|^p (see _device_partials)."""
     rescale = (total < UNDERFLOW_GUARD) | torch.isinf(total)
     kept = torch.where(rescale, torch.zeros_like(total), total)
     return torch.stack([kept, rescale.double(), torch.zeros_like(total), total.isnan().double()])
@@ -224,10 +227,17 @@ class CudaPlan:
         self.refs: list[weakref.ref[Tensor]] = []
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: Tensor | None = None
+        # What the graph reads besides the gradients: it holds addresses, not references.
+        self.tables: list[_triton.ChunkTable] = []
         self.failed = False
 
     def partials(self, grads: Sequence[Tensor], p: int) -> Tensor:
-        """:func:`_device_partials` of ``grads`` (the list the plan was made for), replayed."""
+        """:func:`_device_partials` of ``grads`` (the list the plan was made for), replayed.
+
+        The graph reads contiguous fp32/bf16/fp16 gradients through Triton chunk tables (one
+        launch per dtype, see :mod:`gradstat._triton`) where Triton is present, the rest with
+        PyTorch's multi-tensor kernel.
+        """
         if self.failed or torch.cuda.is_current_stream_capturing():
             return _device_partials(grads, p)
         if self.graph is None:
@@ -244,15 +254,37 @@ class CudaPlan:
         try:
             side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
             side.wait_stream(torch.cuda.current_stream(device))
+            tables, rest = _chunk_tables(grads)
+
+            def compute() -> Tensor:
+                total = torch.zeros((), dtype=torch.float64, device=device)
+                for table in tables:
+                    total += table.power_sum(p)
+                if rest:
+                    total += _foreach_power_sum(rest, p, device)
+                return _partials_of(total)
+
             with torch.cuda.stream(side):
-                _device_partials(grads, p)  # warm-up: lazy initialisation outside the capture
+                compute()  # warm-up: lazy initialisation and compilation outside the capture
             torch.cuda.current_stream(device).wait_stream(side)
             with torch.cuda.graph(graph):
-                out = _device_partials(grads, p)
-        except RuntimeError:
+                out = compute()
+        except Exception:  # a CUDA or Triton error: the eager way still works
             self.failed = True  # this list cannot be captured: launch it eagerly
             return
-        self.graph, self.out = graph, out
+        self.graph, self.out, self.tables = graph, out, tables
+
+
+def _chunk_tables(grads: Sequence[Tensor]) -> tuple[list[_triton.ChunkTable], list[Tensor]]:
+    """Triton chunk tables for the gradients it can read (one per dtype), and the others."""
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    rest = []
+    for grad in grads:
+        if _triton.usable(grad):
+            by_dtype.setdefault(grad.dtype, []).append(grad)
+        elif grad.numel():
+            rest.append(grad)
+    return [_triton.ChunkTable(same) for same in by_dtype.values()], rest
 
 
 class _CudaPlans:

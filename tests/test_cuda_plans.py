@@ -6,6 +6,9 @@ partials on replay, so the tests see which calls replay, which capture and which
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import weakref
 from collections.abc import Sequence
 
@@ -134,3 +137,37 @@ def test_a_prepared_grad_norm_off_cuda_is_get_grad_norm_fp32() -> None:
         assert prepared() == get_grad_norm_fp32(grads, p)
         grads[0].mul_(2.0)
         assert prepared() == get_grad_norm_fp32(grads, p), "it reads the current values"
+
+
+_TRITON_CHECK = """
+import torch
+from gradstat import _triton
+gen = torch.Generator().manual_seed(0)
+fp32 = [torch.randn(n, generator=gen) * 1e-3 for n in (5, 70_000, 131_072, 1)]
+bf16 = [torch.randn(n, generator=gen).bfloat16() for n in (300, 65_537)]
+for grads in (fp32, bf16):
+    assert all(_triton.usable(grad) for grad in grads)
+    table = _triton.ChunkTable(grads)
+    for p in (1, 2):
+        expected = sum(float((grad.double().abs() ** p).sum()) for grad in grads)
+        got = float(table.power_sum(p))
+        assert abs(got - expected) <= 1e-7 * expected, (p, got, expected)
+assert not _triton.usable(torch.randn(4, 4).t()) and not _triton.usable(torch.empty(0))
+print("ok")
+"""
+
+
+def test_the_triton_chunk_kernel_matches_float64_in_the_interpreter() -> None:
+    """The kernel the CUDA graphs replay, run by Triton's CPU interpreter where Triton is
+    installed (PyTorch's CUDA builds ship it; the CPU build does not)."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", _TRITON_CHECK],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
