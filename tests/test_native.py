@@ -101,10 +101,28 @@ def test_without_the_kernel_the_numbers_agree(tmp_path: Path) -> None:
     assert zeros["1"] == zeros["0"] == 1376
 
 
+CHUNK = 32768  # _fused.c: elements per double partial
+PARALLEL_CHUNKS = 4  # _fused.c: fewer chunks than this are summed without a thread team
+
+
 @needs_kernel
-def test_result_does_not_depend_on_the_thread_count() -> None:
-    """Under torchrun each process may run another number of threads: bitwise equal sums."""
-    grad = torch.randn(3_000_017, generator=torch.Generator().manual_seed(5))
+@pytest.mark.parametrize(
+    "size",
+    [
+        3_000_017,
+        PARALLEL_CHUNKS * CHUNK - 1,  # the largest tensor summed by one thread
+        PARALLEL_CHUNKS * CHUNK,  # the smallest summed by a team
+        PARALLEL_CHUNKS * CHUNK + 1,
+    ],
+)
+def test_result_does_not_depend_on_the_thread_count(size: int) -> None:
+    """Under torchrun each process may run another number of threads: bitwise equal sums.
+
+    One thread takes the serial path, more take the parallel one: the same chunks, the same
+    order, the same bits; either side of the size where the kernel starts a team too.
+    """
+    grad = torch.randn(size, generator=torch.Generator().manual_seed(size))
+    grad[::5] = 0.0
     before = torch.get_num_threads()
     try:
         results = set()
@@ -114,3 +132,34 @@ def test_result_does_not_depend_on_the_thread_count() -> None:
     finally:
         torch.set_num_threads(before)
     assert len(results) == 1
+    (stats,) = results
+    assert stats is not None and stats.zeros == zeros_in([grad])
+
+
+@needs_kernel
+def test_many_tiny_tensors_keep_exact_statistics() -> None:
+    """Thousands of tensors of 1 to 40 elements, each summed without a thread team (issue 14,
+    item 15): every zero count and max |x| exact, every sum of squares float64's to 1e-6."""
+    gen = torch.Generator().manual_seed(15)
+    grads = []
+    for index in range(5000):
+        grad = torch.randn(1 + index % 40, generator=gen)
+        grad[torch.rand(grad.shape, generator=gen) < 0.3] = 0.0
+        if index % 7 == 0:
+            grad[0] = -0.0
+        grads.append(grad)
+    results = [native.fused_f32(grad) for grad in grads]
+    assert all(stats is not None for stats in results)
+    for grad, stats in zip(grads, results, strict=True):
+        assert stats is not None
+        assert stats.zeros == zeros_in([grad])
+        assert stats.max_abs == float64_norm([grad], math.inf)
+        assert not stats.has_nan
+        expected = float64_norm([grad], 2) ** 2
+        assert stats.sum_squares == expected == 0.0 or rel_err(stats.sum_squares, expected) < 1e-6
+    total_zeros = sum(stats.zeros for stats in results if stats is not None)
+    assert total_zeros == zeros_in(grads) > 0
+    # NaN in a tiny tensor is seen too.
+    grads[3][0] = math.nan
+    stats = native.fused_f32(grads[3])
+    assert stats is not None and stats.has_nan
