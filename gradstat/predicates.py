@@ -8,6 +8,7 @@ alignment padding: zero rows that were never gradients and must not count as zer
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from .errors import AttributeMismatchError
@@ -34,6 +35,41 @@ def param_is_not_shared(param: Any) -> bool:
     return not getattr(param, "shared", False)
 
 
+# Where Megatron's parallel_state keeps an axis's rank in a live job: a rank accessor, or a
+# group accessor (GTP, in megatron-core versions that have it).
+_MEGATRON_RANKS = {"tp": "get_tensor_model_parallel_rank", "etp": "get_expert_tensor_parallel_rank"}
+_MEGATRON_GROUPS = {
+    "gtp": "get_gtp_weight_remat_group",
+    "egtp": "get_expert_gtp_weight_remat_group",
+}
+
+
+def megatron_rank(axis: str) -> int:
+    """This process's rank on ``axis`` ("tp", "etp", "gtp", "egtp") in a live Megatron job.
+
+    Read from ``megatron.core.parallel_state`` when the job has imported and initialised it, as
+    Megatron's own predicates do when no group is given; 0 (the axis is not split) anywhere
+    else. gradstat never imports Megatron itself.
+    """
+    state = sys.modules.get("megatron.core.parallel_state")
+    if state is None:
+        return 0
+    try:
+        if not state.model_parallel_is_initialized():
+            return 0
+        if axis in _MEGATRON_RANKS:
+            return int(getattr(state, _MEGATRON_RANKS[axis])())
+        accessor = getattr(state, _MEGATRON_GROUPS[axis], None)
+        group = accessor() if accessor is not None else None
+    except AssertionError:  # that axis was not set up: it is not split
+        return 0
+    return 0 if group is None else int(group.rank())
+
+
+def _axis_rank(group: RankLike | None, axis: str) -> int:
+    return megatron_rank(axis) if group is None else group_rank(group)
+
+
 def param_is_not_tensor_parallel_duplicate(
     param: Any, tp_group: RankLike | None = None, expert_tp_group: RankLike | None = None
 ) -> bool:
@@ -41,12 +77,16 @@ def param_is_not_tensor_parallel_duplicate(
 
     Args:
         param: a tensor carrying Megatron's attributes.
-        tp_group: the dense TP group, or anything with rank()/size(); None: TP not split.
-        expert_tp_group: the expert TP group, used for ``allreduce=False`` params.
+        tp_group: the dense TP group, or anything with rank()/size(). None: read from Megatron's
+            ``parallel_state`` inside a live Megatron job (as Megatron does), else not split.
+        expert_tp_group: the expert TP group, used for ``allreduce=False`` params (None: the
+            same, with the expert TP rank).
     """
     if getattr(param, "tensor_model_parallel", False):
         return True
-    return group_rank(expert_tp_group if is_expert(param) else tp_group) == 0
+    if is_expert(param):
+        return _axis_rank(expert_tp_group, "etp") == 0
+    return _axis_rank(tp_group, "tp") == 0
 
 
 def param_is_not_gtp_duplicate(
@@ -55,10 +95,14 @@ def param_is_not_gtp_duplicate(
     """True unless ``param`` is replicated over GTP and held by a GTP rank other than 0.
 
     GTP shards carry ``is_gtp_weight_remat``; everything else is a full copy on every GTP rank.
+    A group left None is read from Megatron's ``parallel_state`` inside a live Megatron job (its
+    GTP groups, where the version has them), else GTP is not split.
     """
     if getattr(param, "is_gtp_weight_remat", False):
         return True
-    return group_rank(expert_gtp_group if is_expert(param) else gtp_group) == 0
+    if is_expert(param):
+        return _axis_rank(expert_gtp_group, "egtp") == 0
+    return _axis_rank(gtp_group, "gtp") == 0
 
 
 def _param_label(param: Any) -> str:

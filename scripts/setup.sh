@@ -8,4 +8,4 @@ fi
 # torch==2.13.0 is the CPU wheel on this machine's disk; asking for it first means pip never
 # resolves `torch` to a multi-GB CUDA build from the index.
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev,parity]'

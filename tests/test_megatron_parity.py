@@ -1,0 +1,144 @@
+"""gradstat against megatron-core 0.16.1 itself, on 8 gloo CPU processes with Megatron's real
+``parallel_state`` (TP=2 x PP=2 x DP=2 with a tied embedding, EP=2 x ETP=2 experts), the plain
+and the distributed optimizer, and against the unsharded float64 oracle.
+
+Megatron's functions run from its own source (tests/_megatron.py says how its CUDA devices are
+pointed at the CPU); its optimizer's selection and chaining code runs unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests import _layouts
+from tests._layouts import Case, Layout, launch
+from tests._oracle import float64_norm, rel_err, zeros_in
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (the parity extra)")
+
+from tests._megatron import NORM_TYPES, run_clip_and_empty, run_parity
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Transformer Engine and Apex are not installed:UserWarning"
+)
+
+LAYOUT = Layout("tp2-pp2-dp2-ep2", tp=2, pp=2, dp=2, ep=2, etp=2, moe=True)
+# Megatron's no-TE fallback reduces each tensor in fp32; gradstat combines in float64.
+MEGATRON_RTOL, GRADSTAT_RTOL = 1e-6, 1e-9
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    run_dir = tmp_path_factory.mktemp("megatron-parity")
+    report = launch(LAYOUT.world_size, run_dir, [Case("parity", run_parity, LAYOUT)], timeout_s=400)
+    return report.values("parity")
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    run_dir: Path = tmp_path_factory.mktemp("megatron-clip")
+    return launch(1, run_dir, [Case("clip", run_clip_and_empty)], timeout_s=200).values("clip")[0]
+
+
+def _oracle() -> dict[str, dict[str, Any]]:
+    grads = _layouts.oracle_grads(moe=True)
+    return {
+        part: {
+            "norms": {p: float64_norm(grads[part], p) for p in NORM_TYPES},
+            "zeros": zeros_in(grads[part]),
+        }
+        for part in ("dense", "expert", "total")
+    }
+
+
+def _parts(ranks: list[dict[str, Any]]) -> Iterator[tuple[int, str, str, dict[str, Any]]]:
+    for rank, result in enumerate(ranks):
+        for kind in ("plain", "distopt"):
+            for part in ("dense", "expert"):
+                yield rank, kind, part, result[kind][part]
+
+
+def test_megatron_places_ranks_as_the_independent_sharder_does(ranks: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(ranks):
+        dense, expert = result["coords"]
+        assert dense == _layouts._coords(rank, LAYOUT.dense_axes())
+        assert expert == _layouts._coords(rank, LAYOUT.expert_axes())
+
+
+def test_gradstat_selects_the_tensors_megatrons_optimizer_selects(
+    ranks: list[dict[str, Any]],
+) -> None:
+    for rank, kind, part, stats in _parts(ranks):
+        assert stats["same_selection"], (rank, kind, part)
+        # No group given: read from Megatron's parallel_state, as Megatron does.
+        assert stats["same_bare_selection"], (rank, kind, part)
+
+
+def test_norms_equal_megatrons_and_the_float64_oracle(ranks: list[dict[str, Any]]) -> None:
+    oracle = _oracle()
+    for rank, kind, part, stats in _parts(ranks):
+        for p in NORM_TYPES:
+            megatron, ours = stats["megatron"]["norms"][p], stats["gradstat"]["norms"][p]
+            expected = oracle[part]["norms"][p]
+            where = (rank, kind, part, p, megatron, ours, expected)
+            if p == math.inf:
+                assert megatron == ours == expected, where
+            else:
+                assert rel_err(megatron, expected) <= MEGATRON_RTOL, where
+                assert rel_err(ours, expected) <= GRADSTAT_RTOL, where
+                assert rel_err(ours, megatron) <= MEGATRON_RTOL, where
+        assert stats["megatron_optimizer_norm"] == stats["megatron"]["norms"][2.0]
+
+
+def test_zero_counts_equal_megatrons_exactly(ranks: list[dict[str, Any]]) -> None:
+    oracle = _oracle()
+    for rank, kind, part, stats in _parts(ranks):
+        expected = oracle[part]["zeros"]
+        where = (rank, kind, part, stats["megatron"]["zeros"], stats["gradstat"]["zeros"], expected)
+        assert stats["megatron"]["zeros"] == stats["gradstat"]["zeros"] == expected, where
+        assert stats["gradstat_bare_zeros"] == expected, where
+    for result in ranks:
+        for kind in ("plain", "distopt"):
+            assert result[kind]["zeros_type"] == ("float", "float"), "the same type as Megatron's"
+
+
+def test_the_chained_optimizer_combines_what_gradstat_combines(ranks: list[dict[str, Any]]) -> None:
+    """Plain: dense and expert reduce over different groups, and Megatron's ChainedOptimizer
+    takes sqrt(dense^2 + expert^2); distributed: one shared group, one call over both."""
+    oracle = _oracle()["total"]
+    for rank, result in enumerate(ranks):
+        for kind in ("plain", "distopt"):
+            chained = result[kind]["chained"]
+            dense, expert = (result[kind][part]["gradstat"] for part in ("dense", "expert"))
+            ours = math.hypot(dense["norms"][2.0], expert["norms"][2.0])
+            assert rel_err(chained["megatron_norm"], oracle["norms"][2.0]) <= MEGATRON_RTOL
+            assert rel_err(ours, oracle["norms"][2.0]) <= GRADSTAT_RTOL, (rank, kind)
+            assert chained["megatron_zeros"] == dense["zeros"] + expert["zeros"] == oracle["zeros"]
+
+
+def test_clipping_is_bitwise_megatrons(single: dict[str, Any]) -> None:
+    for key, outcome in single["clip"].items():
+        assert outcome["bitwise"], key
+        _attr, _dtype, max_norm = key
+        coefficient = max_norm / (3.0 + 1e-6)
+        for scaled_by in outcome["scaled_by"]:
+            expected = coefficient if coefficient < 1 else 1.0
+            tolerance = 1e-2 if "bfloat16" in _dtype else 1e-6
+            assert abs(scaled_by - expected) <= tolerance * expected, (key, scaled_by)
+
+
+def test_empty_lists(single: dict[str, Any]) -> None:
+    """megatron-core 0.16.1 still crashes on an empty list for p != 2 (NVIDIA/Megatron-LM#5529,
+    fixed by PR #5530 in later versions); gradstat gives 0.0, as the fixed Megatron does."""
+    for p, outcome in single["empty"].items():
+        assert outcome["gradstat"] == 0.0
+        if p == 2.0:
+            assert outcome["megatron"] == 0.0
+        else:
+            assert isinstance(outcome["megatron"], str), (p, outcome)
+    assert single["empty_zeros"] == {"megatron": 0.0, "gradstat": 0.0}
