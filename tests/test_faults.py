@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,39 +20,81 @@ SAMPLE = Path(__file__).resolve().parent.parent / "sample_data" / "gtp2-pp2-dp2-
 
 @pytest.fixture(scope="module")
 def large_snapshot(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """4 rank files of 32 MiB, so that writing a clipped copy takes a while."""
+    """4 rank files of 4 MiB: each tensor's bytes are one write of at least 1 MiB."""
     directory = tmp_path_factory.mktemp("large")
     gen = torch.Generator().manual_seed(0)
     for rank in range(4):
-        grad = torch.randn(8 << 20, generator=gen)
+        grad = torch.randn(1 << 20, generator=gen)
         param = param_with(grad, tensor_model_parallel=True)
         save_rank(directory, [("w", param)], rank=rank, world_size=4, coords={"tp": [rank, 4]})
     return directory
+
+
+# The clip runs under this wrapper, which stalls it halfway through the tensor bytes of its
+# second rank file and says so on a pipe: the test kills it there, at a known point, instead of
+# racing a poll against the writer.
+STALLED_CLIP = """
+import os, sys, time
+import gradstat.snapshot.clip as clip
+from gradstat.cli import main
+
+signal_fd, files = int(sys.argv.pop(1)), []
+real_write_container = clip.write_container
+
+class Stalling:
+    def __init__(self, file):
+        self.file = file
+    def write(self, data):
+        view = memoryview(data).cast("B")
+        if len(files) == 2 and len(view) >= 1 << 20:
+            self.file.write(view[: len(view) // 2])
+            self.file.flush()
+            os.write(signal_fd, b"stalled")
+            time.sleep(3600)
+        return self.file.write(data)
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+def write_container(file, metadata, tensors):
+    files.append(file)
+    real_write_container(Stalling(file), metadata, tensors)
+
+clip.write_container = write_container
+sys.argv[0] = "gradstat"
+main()
+"""
 
 
 def test_clip_killed_while_writing_leaves_nothing_that_looks_complete(
     large_snapshot: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "clipped"
-    command = [sys.executable, "-m", "gradstat", "clip", str(large_snapshot)]
-    process = subprocess.Popen([*command, "--max-norm", "1", "--out", str(out)])
-    deadline = time.monotonic() + 120
-    staged = []
-    while time.monotonic() < deadline and process.poll() is None:
-        staged = [path for path in tmp_path.glob(".clipped.partial-*/*") if path.is_file()]
-        if staged:
-            break
-        time.sleep(0.005)
-    process.send_signal(signal.SIGKILL)
-    process.wait(timeout=60)
-    assert staged, "the clip finished before any file was staged; make the snapshot larger"
-    if out.exists():  # it finished between the check and the kill: then it is whole
-        assert Snapshot.open(out).world_size == 4
-    else:
-        leftovers = [path.name for path in tmp_path.iterdir()]
-        assert all(name.startswith(".clipped.partial-") for name in leftovers), leftovers
-        with pytest.raises(Exception, match="no such directory"):
-            Snapshot.open(out)
+    read_end, write_end = os.pipe()
+    args = ["clip", str(large_snapshot), "--max-norm", "1", "--out", str(out)]
+    process = subprocess.Popen(
+        [sys.executable, "-c", STALLED_CLIP, str(write_end), *args], pass_fds=(write_end,)
+    )
+    os.close(write_end)
+    try:
+        # Waits for the clip to stall mid-file (or to exit: then the pipe says b"").
+        ready, _, _ = select.select([read_end], [], [], 600)  # a guard against a hang only
+        said = os.read(read_end, 16) if ready else b"(nothing within 600 s)"
+        assert said == b"stalled", f"the clip never reached its second file ({said!r})"
+        process.send_signal(signal.SIGKILL)
+        assert process.wait(timeout=120) == -signal.SIGKILL
+    finally:
+        os.close(read_end)
+        process.kill()
+        process.wait(timeout=120)
+    assert not out.exists()
+    (staging,) = tmp_path.iterdir()
+    assert staging.name.startswith(".clipped.partial-")
+    staged = {path.name: path.stat().st_size for path in staging.iterdir()}
+    whole = (large_snapshot / "rank-00000.safetensors").stat().st_size
+    assert staged.get("rank-00000.safetensors") == whole, staged
+    assert 0 < staged.get("rank-00001.safetensors", 0) < whole, staged  # killed mid-file
+    with pytest.raises(Exception, match="no such directory"):
+        Snapshot.open(out)
 
 
 @pytest.mark.skipif(not os.path.isdir("/sys/kernel"), reason="needs Linux's read-only /sys")
@@ -78,22 +120,38 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _maps(pid: int, needle: str) -> bool:
-    try:
-        return needle in Path(f"/proc/{pid}/maps").read_text()
-    except OSError:
-        return False
+# Process 1 runs under this wrapper, which stops it (SIGSTOP, by its own hand) as it maps its
+# first rank file: it has joined the group and started, and cannot have finished.
+FROZEN_ON_FIRST_FILE = """
+import os, signal, sys
+from gradstat.snapshot.reader import RankFile
+from gradstat.cli import main
+
+real_params = RankFile.params
+
+def params(self):
+    os.kill(os.getpid(), signal.SIGSTOP)
+    return real_params(self)
+
+RankFile.params = params
+sys.argv[0] = "gradstat"
+main()
+"""
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+@pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs POSIX signals")
 def test_a_frozen_process_is_named_by_the_others(large_snapshot: Path) -> None:
     """Two processes as a launcher starts them; process 1 freezes while reading its files."""
     port = _free_port()
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
-    command = [sys.executable, "-m", "gradstat", "norm", str(large_snapshot), "--timeout", "3"]
+    args = ["norm", str(large_snapshot), "--timeout", "3"]
+    commands = [
+        [sys.executable, "-m", "gradstat", *args],
+        [sys.executable, "-c", FROZEN_ON_FIRST_FILE, *args],
+    ]
     processes = [
         subprocess.Popen(
-            command,
+            commands[rank],
             env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -102,14 +160,7 @@ def test_a_frozen_process_is_named_by_the_others(large_snapshot: Path) -> None:
         for rank in range(2)
     ]
     try:
-        # Process 1 reads rank files 1 and 3; freeze it once the first is mapped (it has joined
-        # the group and started, and cannot have finished).
-        deadline = time.monotonic() + 120
-        while not _maps(processes[1].pid, str(large_snapshot)) and time.monotonic() < deadline:
-            assert processes[1].poll() is None, processes[1].communicate()
-            time.sleep(0.001)
-        processes[1].send_signal(signal.SIGSTOP)
-        _, stderr = processes[0].communicate(timeout=120)
+        _, stderr = processes[0].communicate(timeout=300)
         assert processes[0].returncode == 2, stderr
         assert stderr.strip().splitlines()[-1] == (
             "gradstat: error: process 0 of 2: process 1 made no progress for 3 s "
