@@ -213,7 +213,7 @@ def _statistics(
     from .runner import gather_pieces, pick_device, process_group
     from .snapshot import Snapshot
 
-    with _user_errors(), process_group(timeout) as place:
+    with _user_errors(), process_group(timeout, sys.argv[1:], [snapshot_dir]) as place:
         snapshot = Snapshot.open(snapshot_dir)
         request = Request.make(norm_types, zeros, pick_device(device))
         with _progress(len(place.share(snapshot.files)), place.is_first) as on_file:
@@ -400,7 +400,7 @@ def compare(
     from .runner import pick_device, process_group
     from .snapshot import Snapshot
 
-    with _user_errors(), process_group(timeout) as place:
+    with _user_errors(), process_group(timeout, sys.argv[1:], [snapshot_a, snapshot_b]) as place:
         snapshots = Snapshot.open(snapshot_a), Snapshot.open(snapshot_b)
         report = compare_snapshots(*snapshots, place, rtol, pick_device(device))
         if not place.is_first:
@@ -431,7 +431,7 @@ def audit(
     from .runner import pick_device, process_group
     from .snapshot import Snapshot
 
-    with _user_errors(), process_group(timeout) as place:
+    with _user_errors(), process_group(timeout, sys.argv[1:], [snapshot_dir]) as place:
         report = audit_snapshot(Snapshot.open(snapshot_dir), place, rtol, pick_device(device))
         if not place.is_first:
             return

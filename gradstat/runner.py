@@ -4,19 +4,26 @@ Each process computes the pieces (a few numbers per counted tensor) of its share
 files, on its CPU or on ``cuda:LOCAL_RANK``; the pieces travel over a gloo group, so a failure
 raises instead of aborting, and rank 0 merges them in rank-file order: every number is bitwise
 what one process computes alone. A process that hits bad input sends its error instead, and
-every process raises it.
+every process raises it. Before anything is computed the processes check that they were all
+started with the same arguments on the same snapshot; a process that stops (killed, frozen,
+hung) is named by the others, whenever it stops.
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import itertools
 import json
 import os
+import shlex
+import stat
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from contextlib import contextmanager, suppress
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -25,6 +32,7 @@ import torch.distributed as dist
 from .analysis import NonFinite, Piece, Request, snapshot_pieces
 from .errors import GradstatError
 from .snapshot import RankFile, Snapshot
+from .snapshot.container import MAX_HEADER_BYTES
 
 T = TypeVar("T")
 
@@ -43,6 +51,9 @@ class Place:
     rank: int
     size: int
     timeout_s: float = 30.0
+    # Numbers the exchanges: every process makes the same ones in the same order, so that each
+    # exchange has its own keys in the launcher's store.
+    _exchanges: Iterator[int] = field(default_factory=itertools.count, repr=False, compare=False)
 
     @property
     def is_first(self) -> bool:
@@ -54,11 +65,28 @@ class Place:
 
 
 @contextmanager
-def process_group(timeout_s: float) -> Iterator[Place]:
+def process_group(
+    timeout_s: float,
+    arguments: Sequence[str] = (),
+    snapshot_dirs: Sequence[str | os.PathLike[str]] = (),
+) -> Iterator[Place]:
     """Join torchrun's processes in a gloo group for the duration; alone, do nothing.
 
+    The processes first agree: each sends its ``arguments`` (the command line it was started
+    with) and a digest of the rank files in ``snapshot_dirs`` (their names, sizes and headers;
+    no gradient is read), so that pieces computed for another norm or from another snapshot are
+    never merged.
+
+    Args:
+        timeout_s: how long to wait for the other processes, to join and at every exchange.
+        arguments: this process's command line, which every process must share.
+        snapshot_dirs: the snapshot directories this process is about to read.
+
     Raises:
-        GradstatError: the other processes did not all join within ``timeout_s``.
+        GradstatError: the other processes did not all join within ``timeout_s``; or, on
+            process 0, they were started with other arguments or see other rank files. The
+            other processes then say nothing, so the line is printed once: they wait for
+            process 0 to stop (or ``timeout_s``) and leave with ``SystemExit(2)``.
     """
     if not launched():
         yield Place(0, 1, timeout_s)
@@ -72,9 +100,105 @@ def process_group(timeout_s: float) -> Iterator[Place]:
             f"{timeout_s:g} s ({_last_line(error)})"
         ) from error
     try:
-        yield Place(dist.get_rank(), dist.get_world_size(), timeout_s)
+        place = Place(dist.get_rank(), dist.get_world_size(), timeout_s)
+        _agree(place, list(arguments), snapshot_dirs)
+        yield place
     finally:
         dist.destroy_process_group()
+
+
+def _agree(
+    place: Place, arguments: list[str], snapshot_dirs: Sequence[str | os.PathLike[str]]
+) -> None:
+    """Stop unless every process has the same arguments and snapshot digest as process 0."""
+
+    def identify(beat: Callable[[], None]) -> dict[str, Any]:
+        return {"arguments": arguments, "snapshots": _snapshot_digest(snapshot_dirs, beat)}
+
+    everyone = _gathered(place, identify)
+    first = everyone[0]
+    if all(theirs == first for theirs in everyone):
+        return
+    if not place.is_first:
+        _wait_for_first()
+        raise SystemExit(2)
+    others = [rank for rank, theirs in enumerate(everyone) if theirs["arguments"] != arguments]
+    if others:
+        example = everyone[others[0]]["arguments"]
+        raise GradstatError(
+            f"{_processes(others)} of {place.size} {'was' if len(others) == 1 else 'were'} "
+            f"started with other arguments than process 0 (process {others[0]} ran "
+            f'"gradstat {shlex.join(example)}", process 0 "gradstat {shlex.join(arguments)}"); '
+            f"start every process with the same command"
+        )
+    others = [rank for rank, theirs in enumerate(everyone) if theirs != first]
+    shown = ", ".join(str(directory) for directory in snapshot_dirs)
+    raise GradstatError(
+        f"{_processes(others)} of {place.size} {'sees' if len(others) == 1 else 'see'} other "
+        f"rank files in {shown} than process 0 (names, sizes or headers differ); every process "
+        f"must read the same snapshot"
+    )
+
+
+def _processes(ranks: Sequence[int]) -> str:
+    return f"process {ranks[0]}" if len(ranks) == 1 else f"processes {', '.join(map(str, ranks))}"
+
+
+def _wait_for_first() -> None:
+    """Return once process 0 has stopped, or after ``timeout_s``: a process that left before
+    process 0 printed its line could get it killed first (torchrun stops every process when one
+    fails).
+
+    A receive from process 0, which sends nothing, ends when its connection closes; the store
+    would do as well, but its client logs a stack trace when its server goes.
+    """
+    with suppress(RuntimeError):
+        dist.recv(torch.zeros(1), src=0)
+
+
+def _snapshot_digest(
+    directories: Sequence[str | os.PathLike[str]], beat: Callable[[], None]
+) -> str:
+    """A digest of what identifies the snapshots cheaply: each rank file's name, size and
+    header bytes, the data section unread (``beat`` after each file). A directory or file that
+    cannot be read is digested as such; the reader reports what is wrong with it later."""
+    digest = hashlib.sha256()
+    for directory in directories:
+        digest.update(b"\0directory\0")
+        try:
+            names = sorted(
+                os.fsencode(entry.name)
+                for entry in os.scandir(directory)
+                if entry.name.endswith(".safetensors")
+            )
+        except OSError as error:
+            digest.update(f"unreadable: {error.errno}".encode())
+            continue
+        for name in names:
+            identity = _rank_file_identity(Path(os.fsdecode(directory)) / os.fsdecode(name))
+            digest.update(b"\0file\0%s\0%d\0%s" % (name, len(identity), identity))
+            beat()
+    return digest.hexdigest()
+
+
+def _rank_file_identity(path: Path) -> bytes:
+    """The file's size and header (at most what the reader accepts), or what else it is."""
+    try:
+        # Non-blocking: opening a FIFO that no one writes must not hang.
+        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as error:
+        return f"cannot open: {error.errno}".encode()
+    try:
+        with os.fdopen(descriptor, "rb") as file:
+            status = os.fstat(file.fileno())
+            if not stat.S_ISREG(status.st_mode):
+                return f"not a file: {stat.S_IFMT(status.st_mode)}".encode()
+            prefix = file.read(8)
+            length = int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
+            header = file.read(min(length, status.st_size, MAX_HEADER_BYTES))
+    except OSError as error:
+        return f"cannot read: {error.errno}".encode()
+    return b"%d\0%s%s" % (status.st_size, prefix, header)
 
 
 def _last_line(error: BaseException) -> str:
@@ -166,21 +290,25 @@ def _gathered(place: Place, compute: Callable[[Callable[[], None]], Any]) -> lis
     """Every process's ``compute(beat)`` (JSON data), in process order, on every process.
 
     ``beat`` tells the other processes this one is still making progress.
+
+    Raises:
+        GradstatError: a process's error (the first, by process rank), on every process; or
+            the processes that stopped moving, by number, wherever they stopped.
     """
-    heartbeat = _Heartbeat(place)
+    heartbeat = _Heartbeat(place, next(place._exchanges))
     payload: dict[str, Any]
     try:
         payload = {"ok": compute(heartbeat.beat)}
     except GradstatError as error:
         payload = {"error": str(error)}
-    heartbeat.finish()
+    blob = json.dumps(payload).encode()
+    lengths = heartbeat.finish(len(blob))
     try:
-        gathered = [json.loads(blob) for blob in _all_gather_bytes(json.dumps(payload).encode())]
+        blobs = _all_gather_bytes(blob, lengths)
     except RuntimeError as error:  # gloo: a peer died or timed out
-        raise GradstatError(
-            f"process {place.rank} of {place.size}: another process failed or was lost "
-            f"while gathering results ({_last_line(error)})"
-        ) from error
+        raise heartbeat.lost_while_gathering(error) from error
+    heartbeat.gathered()
+    gathered = [json.loads(blob) for blob in blobs]
     errors = [share["error"] for share in gathered if "error" in share]
     if errors:
         raise GradstatError(errors[0])
@@ -191,57 +319,109 @@ class _Heartbeat:
     """Progress of every process in the launcher's key-value store, to name a lost one.
 
     Each process counts the work it has finished (rank files, jobs); a process whose count has
-    not moved for ``timeout_s`` seconds and that has not finished is declared lost, by every
-    other process.
+    not moved for ``timeout_s`` seconds while the others wait for it is declared lost, by every
+    other process. The others wait for it at three marks, each a key in the store that it sets:
+    its work done (with the length of what it sends), and the gather over, gone right or wrong.
+    A process that stops after its work is done therefore fails the gather for the others, and
+    is then found missing at the last mark instead of being lost among the gather's errors.
     """
 
-    def __init__(self, place: Place) -> None:
+    def __init__(self, place: Place, exchange: int) -> None:
         self.place = place
+        self.exchange = exchange
         self.store = dist.distributed_c10d._get_default_store()
         self.done = 0
-        self.store.set(self._key("progress", place.rank), "0")
+        self._set("progress", "0")
 
-    @staticmethod
-    def _key(kind: str, rank: int) -> str:
-        return f"gradstat/{kind}/{rank}"
+    def _key(self, kind: str, rank: int) -> str:
+        return f"gradstat/{self.exchange}/{kind}/{rank}"
+
+    def _set(self, kind: str, value: str) -> None:
+        self.store.set(self._key(kind, self.place.rank), value)
 
     def beat(self) -> None:
         """One more unit of work done."""
         self.done += 1
-        self.store.set(self._key("progress", self.place.rank), str(self.done))
+        self._set("progress", str(self.done))
 
-    def finish(self) -> None:
-        """Say this process is done, then wait for the others or name the ones lost.
+    def finish(self, length: int) -> list[int]:
+        """Say this process is done and sends ``length`` bytes, then wait for the others.
+
+        Returns:
+            Every process's length, in process order.
 
         Raises:
             GradstatError: some processes made no progress for ``timeout_s`` seconds.
         """
-        self.store.set(self._key("done", self.place.rank), "1")
-        done = [self._key("done", rank) for rank in range(self.place.size)]
+        self._set("done", str(length))
+        self._wait_for("done", self.place.timeout_s)
+        return [int(self.store.get(self._key("done", rank))) for rank in range(self.place.size)]
+
+    def gathered(self) -> None:
+        """Say the gather went right for this process."""
+        self._set("gathered", "ok")
+
+    def lost_while_gathering(self, error: RuntimeError) -> GradstatError:
+        """The error to raise when the gather failed here: the processes that never came out
+        of it, found as the others are (this waits up to twice ``timeout_s`` for them)."""
+        try:
+            self._set("gathered", "failed")
+            # The others' gathers time out up to timeout_s after this one failed (at once, when
+            # the lost process is dead): only a process silent for longer is lost.
+            self._wait_for("gathered", 2 * self.place.timeout_s)
+        except GradstatError as lost:
+            return lost
+        except RuntimeError:
+            pass  # the store went with the process that held it
+        return GradstatError(
+            f"process {self.place.rank} of {self.place.size}: another process failed or was "
+            f"lost while gathering results ({_last_line(error)})"
+        )
+
+    def _wait_for(self, kind: str, patience_s: float) -> None:
+        """Wait until every process has set ``kind``, naming those that stopped moving.
+
+        The store is polled with ``check``: a timed-out ``wait`` would log a warning each time.
+
+        Raises:
+            GradstatError: some processes made no progress for ``patience_s`` seconds (said
+                as ``timeout_s``, the user's figure), or the store is gone.
+        """
+        size, timeout_s = self.place.size, self.place.timeout_s
+        keys = [self._key(kind, rank) for rank in range(size)]
         seen: dict[int, tuple[bytes, float]] = {}
-        while True:
-            try:
-                self.store.wait(done, timedelta(seconds=1))
-                return
-            except RuntimeError:
-                pass  # not all done yet: look for processes that stopped moving
-            now = time.monotonic()
-            lost = []
-            for rank in range(self.place.size):
-                if self.store.check([self._key("done", rank)]):
+        pause, looked = 0.001, time.monotonic()
+        try:
+            while not self.store.check(keys):
+                time.sleep(pause)
+                pause = min(2 * pause, 0.1)
+                now = time.monotonic()
+                if now - looked < 1.0:
                     continue
-                key = self._key("progress", rank)
-                progress = self.store.get(key) if self.store.check([key]) else b""
-                if seen.get(rank, (None, 0.0))[0] != progress:
-                    seen[rank] = (progress, now)
-                elif now - seen[rank][1] > self.place.timeout_s:
-                    lost.append(rank)
-            if lost:
-                raise GradstatError(
-                    f"process {self.place.rank} of {self.place.size}: process "
-                    f"{', '.join(map(str, lost))} made no progress for "
-                    f"{self.place.timeout_s:g} s (killed or hung?); stopping"
-                )
+                looked = now
+                lost = []
+                for rank, key in enumerate(keys):
+                    if self.store.check([key]):
+                        continue
+                    progress_key = self._key("progress", rank)
+                    has_progress = self.store.check([progress_key])
+                    progress = self.store.get(progress_key) if has_progress else b""
+                    if seen.get(rank, (None, 0.0))[0] != progress:
+                        seen[rank] = (progress, now)
+                    elif now - seen[rank][1] > patience_s:
+                        lost.append(rank)
+                if lost:
+                    raise GradstatError(
+                        f"process {self.place.rank} of {size}: process "
+                        f"{', '.join(map(str, lost))} made no progress for {timeout_s:g} s "
+                        f"(killed or hung?); stopping"
+                    )
+        except RuntimeError as error:  # DistNetworkError: the store's host is gone
+            raise GradstatError(
+                f"process {self.place.rank} of {size}: lost the launcher's key-value store "
+                f"({_last_line(error)}); the process holding it (process 0 without torchrun) "
+                f"failed or was lost"
+            ) from error
 
 
 def _piece_from(data: dict[str, Any]) -> Piece:
@@ -255,18 +435,16 @@ def _piece_from(data: dict[str, Any]) -> Piece:
     )
 
 
-def _all_gather_bytes(blob: bytes) -> list[bytes]:
+def _all_gather_bytes(blob: bytes, lengths: Sequence[int]) -> list[bytes]:
     """Every process's bytes, in process order, over the default (gloo) group.
 
-    Plain tensors rather than all_gather_object, which needs numpy in some torch builds; JSON
-    rather than pickle, so that nothing a peer sends is ever unpickled. Python's JSON floats
-    round-trip exactly, NaN and Inf included.
+    ``lengths`` holds every process's length (they travel with the heartbeat). Plain tensors
+    rather than all_gather_object, which needs numpy in some torch builds; JSON rather than
+    pickle, so that nothing a peer sends is ever unpickled. Python's JSON floats round-trip
+    exactly, NaN and Inf included.
     """
     size = dist.get_world_size()
-    length = torch.tensor([len(blob)], dtype=torch.int64)
-    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
-    dist.all_gather(lengths, length)
-    longest = max(int(item) for item in lengths)
+    longest = max(lengths)
     mine = torch.zeros(longest, dtype=torch.uint8)
     if blob:
         mine[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)

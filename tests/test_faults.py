@@ -7,6 +7,7 @@ import select
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -162,6 +163,98 @@ def test_a_frozen_process_is_named_by_the_others(large_snapshot: Path) -> None:
     try:
         _, stderr = processes[0].communicate(timeout=300)
         assert processes[0].returncode == 2, stderr
+        assert stderr.strip().splitlines()[-1] == (
+            "gradstat: error: process 0 of 2: process 1 made no progress for 3 s "
+            "(killed or hung?); stopping"
+        ), stderr
+    finally:
+        for process in processes:
+            process.kill()
+            process.communicate()
+
+
+# Each process runs this; process 1 stops (SIGSTOP) or dies (SIGKILL) by its own hand at a
+# chosen point, so that the test never races the process it freezes. The processes import torch
+# first and start together on a signal (a file), so that the short timeout only measures faults.
+FAULTY = """
+import os, signal, sys, time, warnings
+from pathlib import Path
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+from gradstat import runner
+from gradstat.errors import GradstatError
+
+where, how, folder = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+rank = int(os.environ["RANK"])
+(folder / f"ready-{rank}").touch()
+while not (folder / "go").exists():
+    time.sleep(0.01)
+
+def fault():
+    os.kill(os.getpid(), getattr(signal, how))
+
+gather, gathers = runner._all_gather_bytes, []
+
+def faulty_gather(*args):
+    gathers.append(args)
+    # The agreement, round 0, round 1: the fault strikes in round 1's, once this process's work
+    # is done and said to be done.
+    if rank == 1 and where == "before the gather" and len(gathers) == 3:
+        fault()
+    return gather(*args)
+
+runner._all_gather_bytes = faulty_gather
+try:
+    with runner.process_group(3.0) as place:
+        for round_ in range(2):
+            def work(job):
+                if rank == 1 and where == "while working" and round_ == 1:
+                    fault()
+                return job
+            runner.gather_jobs(place, list(range(4)), work)
+except GradstatError as error:
+    print(f"gradstat: error: {error}", file=sys.stderr)
+    sys.exit(2)
+print("finished")
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs POSIX signals")
+@pytest.mark.parametrize(
+    ("where", "how"),
+    [
+        ("while working", "SIGSTOP"),
+        ("before the gather", "SIGSTOP"),
+        ("before the gather", "SIGKILL"),
+    ],
+)
+def test_a_process_lost_at_any_point_is_named(tmp_path: Path, where: str, how: str) -> None:
+    """Issue 14 item 11: a process frozen after its work was done used to fail the others'
+    gather, which said "another process failed or was lost"; and the second exchange of a run
+    (compare and audit make several) found the first one's marks and waited for no one."""
+    script = tmp_path / "faulty.py"
+    script.write_text(FAULTY)
+    port = _free_port()
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    processes = [
+        subprocess.Popen(
+            [sys.executable, str(script), where, how, str(tmp_path)],
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"ready-{rank}").exists() for rank in range(2)):
+            assert time.monotonic() < deadline and processes[0].poll() is None, "never ready"
+            time.sleep(0.05)
+        (tmp_path / "go").touch()
+        stdout, stderr = processes[0].communicate(timeout=120)
+        assert processes[0].returncode == 2, stderr
+        assert "finished" not in stdout
+        assert "another process failed or was lost" not in stderr
         assert stderr.strip().splitlines()[-1] == (
             "gradstat: error: process 0 of 2: process 1 made no progress for 3 s "
             "(killed or hung?); stopping"

@@ -107,3 +107,97 @@ def test_audit_under_three_processes_prints_what_one_prints(tmp_path: Path) -> N
     kinds = [finding["kind"] for finding in json.loads(alone.stdout)["findings"]]
     assert sorted(kinds) == ["gtp_padding_nonzero", "tied_copy_counted_twice", "tp_replicas_differ"]
     assert launched.stdout == alone.stdout
+
+
+# Started by torchrun, each process runs the gradstat command line given for its rank, from
+# the working directory given for it.
+STARTER = """
+import json, os, sys
+from gradstat.cli import main
+
+cwd, arguments = json.loads(sys.argv[1])[int(os.environ["RANK"])]
+os.chdir(cwd)
+sys.argv = ["gradstat", *arguments]
+main()
+"""
+
+
+def _run_each(
+    tmp_path: Path, per_rank: list[tuple[Path, list[str]]]
+) -> subprocess.CompletedProcess[str]:
+    starter = tmp_path / "starter.py"
+    starter.write_text(STARTER)
+    plan = json.dumps([[str(cwd), arguments] for cwd, arguments in per_rank])
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={len(per_rank)}",
+        str(starter),
+        plan,
+    ]
+    return subprocess.run(command, capture_output=True, text=True, timeout=240, check=False)
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("gradstat: error:")]
+
+
+@pytest.mark.parametrize(
+    ("process_1", "shown"),
+    [
+        (["-p", "3"], "norm {snapshot} -p 3"),  # another norm
+        (["--top", "5"], "norm {snapshot} --top 5"),  # another option, even a harmless one
+    ],
+)
+def test_processes_started_with_other_arguments_stop_with_one_line(
+    tmp_path: Path, process_1: list[str], shown: str
+) -> None:
+    """Issue 14 item 4: a 5.4156 norm was printed as 14.02, merged from -p 2 and -p 3 pieces."""
+    snapshot = SAMPLES / "tp2-pp2-dp2-ep2-distopt"
+    result = _run_each(
+        tmp_path,
+        [
+            (tmp_path, ["norm", str(snapshot), "-p", "2"]),
+            (tmp_path, ["norm", str(snapshot), *process_1]),
+        ],
+    )
+    assert result.returncode != 0
+    assert _error_lines(result.stderr) == [
+        "gradstat: error: process 1 of 2 was started with other arguments than process 0 "
+        f'(process 1 ran "gradstat {shown.format(snapshot=snapshot)}", process 0 "gradstat norm '
+        f'{snapshot} -p 2"); start every process with the same command'
+    ], result.stderr
+    assert result.stdout == ""
+
+
+def test_processes_reading_other_snapshots_stop_with_one_line(tmp_path: Path) -> None:
+    """The same command line, but "snapshot" is another directory for each process.
+
+    The digest reads names, sizes and headers, not the gradients: snapshots that differ only in
+    their data (the "-nan" sample against its original) are not told apart.
+    """
+    for name, sample in (("a", "tp2-pp2-dp2-ep2-distopt"), ("b", "gtp2-pp2-dp2-ep2")):
+        (tmp_path / name).mkdir()
+        shutil.copytree(SAMPLES / sample, tmp_path / name / "snapshot")
+    arguments = ["norm", "snapshot", "--json"]
+    result = _run_each(tmp_path, [(tmp_path / "a", arguments), (tmp_path / "b", arguments)])
+    assert result.returncode != 0
+    assert _error_lines(result.stderr) == [
+        "gradstat: error: process 1 of 2 sees other rank files in snapshot than process 0 "
+        "(names, sizes or headers differ); every process must read the same snapshot"
+    ], result.stderr
+    assert result.stdout == ""
+
+
+def test_the_same_snapshot_in_other_places_is_the_same_snapshot(tmp_path: Path) -> None:
+    """The negative control: equal rank files under another working directory are accepted."""
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        shutil.copytree(SAMPLES / "tp2-pp2-dp2-ep2-distopt", tmp_path / name / "snapshot")
+    arguments = ["norm", "snapshot", "--json"]
+    result = _run_each(tmp_path, [(tmp_path / "a", arguments), (tmp_path / "b", arguments)])
+    alone = _run("norm", str(SAMPLES / "tp2-pp2-dp2-ep2-distopt"), "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["total_norm"] == json.loads(alone.stdout)["total_norm"]
