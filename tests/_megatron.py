@@ -23,12 +23,14 @@ import math
 import types
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
 import gradstat
+from gradstat.snapshot import dump_rank
 from tests import _layouts
 from tests._layouts import Layout, RankView
 
@@ -147,10 +149,13 @@ def _stats(
     return {"norms": {p: norm(selected, p) for p in NORM_TYPES}, "zeros": zeros()}
 
 
-def run_parity(rank: int, world_size: int, layout: Layout) -> dict[str, Any]:
+def run_parity(rank: int, world_size: int, arg: tuple[Layout, str]) -> dict[str, Any]:
     """One rank: Megatron's and gradstat's statistics of ``layout``, plain and distributed
-    optimizer, dense, expert and the chained whole."""
+    optimizer, dense, expert and the chained whole; then the rank dumped with ``dump_rank``
+    (coordinates from Megatron's parallel_state) under ``root/plain`` and ``root/distopt``."""
     from megatron.core import parallel_state as ps
+
+    layout, root = arg
 
     ps.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
@@ -168,6 +173,9 @@ def run_parity(rank: int, world_size: int, layout: Layout) -> dict[str, Any]:
         result: dict[str, Any] = {"coords": (view.dense, view.expert)}
         for kind in ("plain", "distopt"):
             result[kind] = _one_optimizer_setup(layout, view, params, kind, mcore, tp_group)
+            dense, experts = result[kind].pop("members")
+            named = [(param._gradstat_name, param) for param in dense + experts]
+            dump_rank(Path(root) / kind, named, step=1, distributed_optimizer=kind == "distopt")
         return result
     finally:
         ps.destroy_model_parallel()
@@ -225,6 +233,7 @@ def _one_optimizer_setup(
         }
     chain = _chained(optimizers)
     out["chained"] = {"megatron_norm": chain.get_grad_norm(), "megatron_zeros": chain.count_zeros()}
+    out["members"] = (dense, experts)
     out["zeros_type"] = (type(out["dense"]["megatron"]["zeros"]).__name__,)
     out["zeros_type"] += (type(out["dense"]["gradstat"]["zeros"]).__name__,)
     return out

@@ -8,7 +8,10 @@ pointed at the CPU); its optimizer's selection and chaining code runs unchanged.
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,13 +33,20 @@ pytestmark = pytest.mark.filterwarnings(
 LAYOUT = Layout("tp2-pp2-dp2-ep2", tp=2, pp=2, dp=2, ep=2, etp=2, moe=True)
 # Megatron's no-TE fallback reduces each tensor in fp32; gradstat combines in float64.
 MEGATRON_RTOL, GRADSTAT_RTOL = 1e-6, 1e-9
+# The snapshot reader's one-pass kernel sums each fp32 chunk in fp32 lanes (5e-9 seen here).
+SNAPSHOT_RTOL = 1e-7
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def snapshots(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("megatron-snapshots")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory, snapshots: Path) -> list[dict[str, Any]]:
     run_dir = tmp_path_factory.mktemp("megatron-parity")
-    report = launch(LAYOUT.world_size, run_dir, [Case("parity", run_parity, LAYOUT)], timeout_s=400)
-    return report.values("parity")
+    case = Case("parity", run_parity, (LAYOUT, str(snapshots)))
+    return launch(LAYOUT.world_size, run_dir, [case], timeout_s=400).values("parity")
 
 
 @pytest.fixture(scope="module")
@@ -142,3 +152,37 @@ def test_empty_lists(single: dict[str, Any]) -> None:
         else:
             assert isinstance(outcome["megatron"], str), (p, outcome)
     assert single["empty_zeros"] == {"megatron": 0.0, "gradstat": 0.0}
+
+
+def _cli(*args: str) -> dict[str, Any]:
+    result = subprocess.run(
+        [sys.executable, "-m", "gradstat", *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("kind", ["plain", "distopt"])
+def test_a_snapshot_dumped_from_live_megatron_gives_megatrons_numbers(
+    ranks: list[dict[str, Any]], snapshots: Path, kind: str
+) -> None:
+    """dump_rank with no coordinates given (read from Megatron's parallel_state), then the CLI:
+    the numbers Megatron's optimizer computed live, and the float64 oracle's."""
+    oracle = _oracle()
+    live = ranks[0][kind]
+    norm = _cli("norm", str(snapshots / kind))
+    assert rel_err(norm["total_norm"], live["chained"]["megatron_norm"]) <= MEGATRON_RTOL
+    assert rel_err(norm["total_norm"], oracle["total"]["norms"][2.0]) <= SNAPSHOT_RTOL
+    for part in ("dense", "expert"):
+        megatron = live[part]["megatron"]["norms"][2.0]
+        assert rel_err(norm[f"{part}_norm"], megatron) <= MEGATRON_RTOL, part
+    zeros = _cli("zeros", str(snapshots / kind))
+    assert zeros["num_zeros"] == live["chained"]["megatron_zeros"] == oracle["total"]["zeros"]
+    for p, flag in ((1.0, "1"), (math.inf, "inf")):
+        other = _cli("norm", str(snapshots / kind), "-p", flag)
+        assert rel_err(other["total_norm"], oracle["total"]["norms"][p]) <= SNAPSHOT_RTOL
+    assert _cli("audit", str(snapshots / kind))["findings"] == []
