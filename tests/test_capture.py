@@ -98,6 +98,52 @@ def test_coordinates_from_megatron_parallel_state(
     assert header["coords"]["tp"] == [1, 2] and header["coords"]["gtp"] == [1, 2]
 
 
+class _Group:
+    def __init__(self, rank: int, size: int) -> None:
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+def _gtp_parallel_state() -> types.ModuleType:
+    """A parallel_state with GTP (megatron-core 0.17+): rank 5 of TP=1 x GTP=2 x DP=2 x PP=2,
+    whose data-parallel getters fold GTP in unless told ``with_gtp_remat=False``."""
+    state = _fake_parallel_state()
+    gtp_rank, dp_rank = 1, 0
+
+    def dp_rank_fn(with_context_parallel: bool = False, with_gtp_remat: bool = True) -> int:
+        return dp_rank * 2 + gtp_rank if with_gtp_remat else dp_rank
+
+    def dp_size_fn(with_context_parallel: bool = False, with_gtp_remat: bool = True) -> int:
+        return 4 if with_gtp_remat else 2
+
+    def no_expert_gtp() -> None:
+        raise AssertionError("expert GTP group is not initialized")
+
+    state.get_data_parallel_rank = dp_rank_fn  # type: ignore[attr-defined]
+    state.get_data_parallel_world_size = dp_size_fn  # type: ignore[attr-defined]
+    state.get_gtp_weight_remat_group = lambda: _Group(gtp_rank, 2)  # type: ignore[attr-defined]
+    state.get_expert_gtp_weight_remat_group = no_expert_gtp  # type: ignore[attr-defined]
+    return state
+
+
+def test_gtp_coordinates_come_from_megatron_and_dp_leaves_gtp_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 18: dp read with GTP folded in ([1, 4]) made the snapshot 1.7% low; the replica
+    axis is dp without GTP, and GTP is its own axis, with no hint needed."""
+    for name in ("megatron", "megatron.core"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "megatron.core.parallel_state", _gtp_parallel_state())
+    coords = coords_from_megatron()
+    assert coords is not None
+    assert coords["dp"] == [0, 2] and coords["gtp"] == [1, 2] and "egtp" not in coords
+
+
 def test_no_megatron_means_no_megatron_coordinates() -> None:
     assert "megatron" not in sys.modules
     assert coords_from_megatron() is None

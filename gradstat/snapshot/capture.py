@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import importlib
+import inspect
 import os
 import re
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -39,24 +40,56 @@ _MEGATRON_GETTERS = (
 )
 
 
-def coords_from_megatron() -> dict[str, list[int]] | None:
-    """This rank's coordinates from ``megatron.core.parallel_state``, or None without Megatron.
+# (axis, parallel_state group getter) of the GTP weight-rematerialisation axes, in
+# megatron-core versions that have them.
+_MEGATRON_GTP_GROUPS = (
+    ("gtp", "get_gtp_weight_remat_group"),
+    ("egtp", "get_expert_gtp_weight_remat_group"),
+)
 
-    GTP/EGTP coordinates are not read from Megatron: pass them in ``coords`` when GTP is on.
-    """
+
+def _call_without(fn: Any, **options: bool) -> int:
+    """``fn(**options)`` with only the options its signature takes (versions differ)."""
     try:
-        state: Any = importlib.import_module("megatron.core.parallel_state")
-    except ImportError:
-        return None
-    if not state.model_parallel_is_initialized():
+        accepted: Mapping[str, Any] = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        accepted = {}
+    if any(param.kind is inspect.Parameter.VAR_KEYWORD for param in accepted.values()):
+        return int(fn(**options))
+    return int(fn(**{name: value for name, value in options.items() if name in accepted}))
+
+
+def coords_from_megatron() -> dict[str, list[int]] | None:
+    """This rank's coordinates from ``megatron.core.parallel_state``, or None outside a
+    Megatron job (one that has not imported and initialised it).
+
+    Data-parallel axes are the replica axes Megatron's optimizer reduces over: without context
+    parallelism and without GTP (``with_gtp_remat=False``, where the version's default folds
+    the GTP ranks into dp). GTP and EGTP come from Megatron's GTP groups where the version has
+    them.
+    """
+    # A Megatron job has imported it; importing Megatron here would only cost a torch-native
+    # job seconds.
+    state: Any = sys.modules.get("megatron.core.parallel_state")
+    if state is None or not state.model_parallel_is_initialized():
         return None
     coords = {}
     for axis, rank_getter, size_getter in _MEGATRON_GETTERS:
         rank_fn, size_fn = getattr(state, rank_getter, None), getattr(state, size_getter, None)
         if rank_fn is None or size_fn is None:
             continue
-        kwargs = {"with_context_parallel": False} if axis == "dp" else {}
-        coords[axis] = [int(rank_fn(**kwargs)), int(size_fn(**kwargs))]
+        options = {"with_gtp_remat": False}
+        if axis == "dp":
+            options["with_context_parallel"] = False
+        coords[axis] = [_call_without(rank_fn, **options), _call_without(size_fn, **options)]
+    for axis, group_getter in _MEGATRON_GTP_GROUPS:
+        getter = getattr(state, group_getter, None)
+        try:
+            group = getter() if getter is not None else None
+        except AssertionError:  # GTP was not set up in this job
+            group = None
+        if group is not None:
+            coords[axis] = [int(group.rank()), int(group.size())]
     return coords
 
 
