@@ -1,7 +1,10 @@
 """A corpus of bad inputs, each made from a good snapshot by the test itself.
 
 Every case ends in one line on stderr naming the file, rank or tensor and what is wrong, exit
-status 2, no traceback, and an input left exactly as it was.
+status 2, no traceback, and an input left exactly as it was. Hostile files are among them:
+headers nested past Python's recursion limit, shapes past torch's 64-bit sizes, symlink loops,
+a world size of 10^9 in a few kilobytes, 60,000 keys with one twice, and files truncated while
+a run reads them.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import pickle
 import random
 import shutil
 import struct
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -127,6 +132,73 @@ def _other_snapshot_file(key: str, value: Any) -> Callable[[Path], None]:
     return _edit_meta(RANK1, _set(key, value))
 
 
+def _every_file(change: Callable[[dict[str, Any]], None]) -> Callable[[Path], None]:
+    def make(snapshot: Path) -> None:
+        for path in sorted(snapshot.iterdir()):
+            _edit_meta(path.name, change)(snapshot)
+
+    return make
+
+
+def _nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def _header_text(name: str, edit: Callable[[str], str]) -> Callable[[Path], None]:
+    """Edit the header as text: JSON that json.dumps cannot write (a key twice, deep nesting)."""
+
+    def make(snapshot: Path) -> None:
+        raw = (snapshot / name).read_bytes()
+        (length,) = struct.unpack("<Q", raw[:8])
+        text = edit(raw[8 : 8 + length].decode().rstrip()).encode()
+        text += b" " * (-(8 + len(text)) % 8)
+        (snapshot / name).write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + length :])
+
+    return make
+
+
+def _meta_text(name: str, edit: Callable[[str], str]) -> Callable[[Path], None]:
+    """Edit the gradstat metadata as text, inside a header json.dumps writes."""
+
+    def change(header: dict[str, Any]) -> None:
+        header["__metadata__"]["gradstat"] = edit(header["__metadata__"]["gradstat"])
+
+    return _edit_header(name, change)
+
+
+def _extra_keys(text: str) -> str:
+    # 60,000 keys and the last one again: a quadratic duplicate check takes about a minute.
+    keys = ",".join(f'"k{index}":0' for index in range(60_000))
+    return text[:-1] + "," + keys + ',"k59999":0}'
+
+
+def _extra_records(meta: dict[str, Any]) -> None:
+    records = [
+        {"name": f"p{index}", "grad": False, "shape": [], "param_shape": [], "attrs": {}}
+        for index in range(60_000)
+    ]
+    meta["params"] += [*records, records[-1]]
+
+
+def _empty_tensor(shape: list[int], **attrs: Any) -> Callable[[Path], None]:
+    """A tensor of no bytes (a 0 in its shape) appended to rank 1's file and its records."""
+
+    def change(header: dict[str, Any]) -> None:
+        end = max(e["data_offsets"][1] for k, e in header.items() if k != "__metadata__")
+        header["empty"] = {"dtype": "F32", "shape": shape, "data_offsets": [end, end]}
+        meta = json.loads(header["__metadata__"]["gradstat"])
+        record = {"name": "empty", "grad": True, "dtype": "float32", "dtensor": None}
+        meta["params"].append({**record, "shape": shape, "param_shape": shape, "attrs": attrs})
+        header["__metadata__"]["gradstat"] = json.dumps(meta)
+
+    return _edit_header(RANK1, change)
+
+
+def _symlink_loop(snapshot: Path) -> None:
+    (snapshot / RANK1).unlink()
+    (snapshot / RANK1).symlink_to(RANK1)
+
+
 CASES: dict[str, tuple[Callable[[Path], None], str]] = {
     "empty directory": (lambda s: [p.unlink() for p in s.iterdir()], "no rank files"),
     "rank file missing": (lambda s: (s / RANK1).unlink(), "1 of 8 rank files missing (rank 1)"),
@@ -213,6 +285,43 @@ CASES: dict[str, tuple[Callable[[Path], None], str]] = {
         _edit_meta(RANK1, lambda m: m["params"].append({**m["params"][0], "name": "ghost"})),
         "parameter 'ghost': its gradient tensor is missing",
     ),
+    "header nested 1000 levels": (
+        _header_text(RANK1, lambda text: text[:-1] + ',"deep":' + _nested(1000) + "}"),
+        "header is nested too deeply to parse",
+    ),
+    "gradstat metadata nested 1000 levels": (
+        _meta_text(RANK1, lambda text: text[:-1] + ',"deep":' + _nested(1000) + "}"),
+        "gradstat metadata is nested too deeply to parse",
+    ),
+    "60,000 header keys, one twice": (
+        _header_text(RANK1, _extra_keys),
+        "header lists 'k59999' twice",
+    ),
+    "60,000 parameter records, one twice": (
+        _edit_meta(RANK1, _extra_records),
+        "parameter 'p59999' is listed twice",
+    ),
+    "key twice in the gradstat metadata": (
+        _meta_text(RANK1, lambda text: text[:-1] + ',"step":7}'),
+        "gradstat metadata lists 'step' twice",
+    ),
+    "empty tensor with a 2^63 dimension": (
+        _empty_tensor([0, 2**63]),
+        "shape [0, 9223372036854775808] is too large for torch",
+    ),
+    "empty tensor whose strides overflow": (
+        _empty_tensor([0, 2**62, 4]),
+        "shape [0, 4611686018427387904, 4] is too large for torch",
+    ),
+    "empty GTP shard of a 2^63-row tensor": (
+        _empty_tensor([2**62, 0], is_gtp_weight_remat=True, gtp_group=[1, 2]),
+        "parameter 'empty': shape [4611686018427387904, 0] across 2 shards is too large",
+    ),
+    "param_shape with a 2^63 dimension": (
+        _edit_meta(RANK1, lambda m: m["params"].append({**m["params"][0], "param_shape": [2**63]})),
+        "field 'param_shape' is [9223372036854775808], too large for torch",
+    ),
+    "rank file a symlink to itself": (_symlink_loop, "a symlink loop"),
 }
 
 
@@ -251,10 +360,176 @@ def test_bad_snapshot(case: str, command: str, tmp_path: Path) -> None:
     assert _state(snapshot) == before
 
 
+@pytest.mark.parametrize(
+    "case",
+    [
+        "empty tensor with a 2^63 dimension",
+        "empty tensor whose strides overflow",
+        "empty GTP shard of a 2^63-row tensor",
+    ],
+)
+def test_oversized_empty_tensor_compared_with_itself(case: str, tmp_path: Path) -> None:
+    """compare rebuilds the tensor from both sides (the GTP shard stacked to 2^63 rows): the
+    shape must be refused when the snapshot is opened, never reach torch.empty."""
+    snapshot = tmp_path / "snapshot"
+    shutil.copytree(SAMPLE, snapshot)
+    make, message = CASES[case]
+    make(snapshot)
+    before = _state(snapshot)
+    result = CliRunner().invoke(app, ["compare", str(snapshot), str(snapshot)])
+    assert result.exit_code == 2, (result.exception, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and str(snapshot) in lines[0], lines
+    assert _state(snapshot) == before
+
+
 def test_missing_directory(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["norm", str(tmp_path / "absent")])
     assert result.exit_code == 2
     assert result.stderr.strip() == f"gradstat: error: {tmp_path / 'absent'}: no such directory"
+
+
+def test_symlink_loop_directory(tmp_path: Path) -> None:
+    loop = tmp_path / "snapshot"
+    loop.symlink_to("snapshot")
+    result = CliRunner().invoke(app, ["norm", str(loop)])
+    assert result.exit_code == 2
+    assert result.stdout == ""
+    assert result.stderr.strip() == (
+        f"gradstat: error: {loop}: a symlink loop (the link leads back to itself)"
+    )
+    assert os.readlink(loop) == "snapshot"
+
+
+def _gradstat(code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``python -c code args``: the CLI in a process of its own, where a crash is a status."""
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def _one_error_line(result: subprocess.CompletedProcess[str], *parts: str) -> None:
+    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr[-2000:]
+    assert lines[0].startswith("gradstat: error: ")
+    for part in parts:
+        assert part in lines[0], lines[0]
+
+
+# Numbers in a header that once sized what gradstat built: before, a set of world_size ranks
+# (1.4 GB at 10^7) and a tuple of an axis's ranks in the TP/GTP placement (itertools.product).
+HUGE: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
+    "world size 10^9": (
+        lambda meta: meta.update(world_size=10**9),
+        "999999992 of 1000000000 rank files missing (rank 8, 9, 10, 11",
+    ),
+    "tp axis of 10^9 ranks": (
+        lambda meta: meta["coords"].update(tp=[0, 10**9]),
+        "axis tp has size 1000000000, larger than the world size 8",
+    ),
+}
+
+# Under a 2 GiB cap on the data segment such a structure (tens of GB at 10^9) fails with
+# MemoryError, exit 1, instead of taking the machine's memory (an uncapped run was OOM-killed).
+CAPPED_RUN = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_DATA, (2 << 30, 2 << 30))
+from gradstat.cli import main
+sys.argv = ["gradstat", *sys.argv[1:]]
+main()
+"""
+
+
+@pytest.mark.parametrize(
+    ("case", "command"),
+    [
+        ("world size 10^9", "norm"),
+        ("tp axis of 10^9 ranks", "audit"),
+        ("tp axis of 10^9 ranks", "compare"),
+    ],
+)
+def test_huge_header_numbers_cost_what_the_files_do(
+    case: str, command: str, tmp_path: Path
+) -> None:
+    snapshot = tmp_path / "snapshot"
+    shutil.copytree(SAMPLE, snapshot)
+    change, message = HUGE[case]
+    _every_file(change)(snapshot)
+    before = _state(snapshot)
+    inputs = [str(SAMPLE), str(snapshot)] if command == "compare" else [str(snapshot)]
+    result = _gradstat(CAPPED_RUN, command, *inputs)
+    _one_error_line(result, str(snapshot), message)
+    assert _state(snapshot) == before
+
+
+# Truncates a rank file during a run, at a chosen moment, then runs the CLI:
+# "validated": right after Snapshot.open validated the snapshot holding it;
+# "mapped": right after it is first mapped, before any of its tensors is read.
+TRUNCATING_RUN = """
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+from gradstat.cli import main  # first: it quiets torch's import-time numpy warning
+from gradstat.snapshot import Snapshot, container
+
+victim, keep, moment, *args = sys.argv[1:]
+
+
+def cut():
+    with open(victim, "r+b") as file:
+        file.truncate(int(keep))
+
+
+if moment == "validated":
+    validate = Snapshot.open.__func__
+
+    def validate_then_cut(cls, directory):
+        snapshot = validate(cls, directory)
+        if Path(directory) == Path(victim).parent:
+            cut()
+        return snapshot
+
+    Snapshot.open = classmethod(validate_then_cut)
+else:
+    original, done = container.mapped, []
+
+    @contextmanager
+    def map_then_cut(found):
+        with original(found) as tensors:
+            if Path(found.path) == Path(victim) and not done:
+                cut()
+                done.append(victim)
+            yield tensors
+
+    for module in list(sys.modules.values()):
+        if getattr(module, "mapped", None) is original:
+            module.mapped = map_then_cut
+sys.argv = ["gradstat", *args]
+main()
+"""
+
+
+@pytest.mark.parametrize("moment", ["validated", "mapped"])
+@pytest.mark.parametrize("command", ["norm", "clip", "audit"])
+def test_file_truncated_during_a_run(moment: str, command: str, tmp_path: Path) -> None:
+    """Before: SIGBUS with no message (mapped), a ValueError traceback (validated)."""
+    snapshot = tmp_path / "snapshot"
+    shutil.copytree(SAMPLE, snapshot)
+    victim = snapshot / RANK1
+    (length,) = struct.unpack("<Q", victim.read_bytes()[:8])
+    keep = 8 + length  # the header stays, every tensor's bytes go
+    expected = {**_state(snapshot), RANK1: victim.read_bytes()[:keep]}
+    out = tmp_path / "clipped"
+    extra = ["--out", str(out), "--max-norm", "0.001"] if command == "clip" else []
+    result = _gradstat(
+        TRUNCATING_RUN, str(victim), str(keep), moment, command, str(snapshot), *extra
+    )
+    _one_error_line(result, str(victim), "the file changed while gradstat was reading it")
+    assert _state(snapshot) == expected  # only the truncation: gradstat wrote nothing
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["snapshot"]
 
 
 @pytest.mark.parametrize(

@@ -1,17 +1,26 @@
-"""A seeded byte-mutation fuzzer over rank files: gradstat's own error or a result, nothing else.
+"""A seeded mutation fuzzer over rank files: gradstat's own error or a result, nothing else.
+
+Mutants are bytes flipped, cut, inserted or repeated, and hostile headers that stay well-formed
+around the hostility: a number made huge (world size, an axis, a dimension, an offset), nesting
+past Python's recursion limit, a key given twice, in the safetensors header or in gradstat's
+metadata. Some snapshots are also truncated after they were validated, before they are read.
 
 ``python tests/test_fuzz.py 100000`` runs a longer campaign than the test suite's.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import random
+import re
 import shutil
 import signal
+import struct
 import sys
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import torch
 
@@ -44,9 +53,58 @@ def _good_snapshot(directory: Path) -> None:
         save_rank(directory, params, rank=rank, world_size=2, coords={"tp": [rank, 2]}, step=1)
 
 
+# Numbers that once sized an allocation, overflowed torch's 64-bit sizes, or both.
+HUGE_NUMBERS = (0, 10**7, 10**9, 2**62, 2**63, 2**64 + 1, 10**30)
+
+
+def _split(raw: bytes) -> tuple[str, bytes]:
+    (length,) = struct.unpack("<Q", raw[:8])
+    return raw[8 : 8 + length].decode(), raw[8 + length :]
+
+
+def _join(text: str, data: bytes) -> bytes:
+    header = text.encode()
+    header += b" " * (-(8 + len(header)) % 8)
+    return struct.pack("<Q", len(header)) + header + data
+
+
+def _twice(document: dict[str, Any], rng: random.Random) -> str:
+    """``document`` as JSON with one of its keys written twice (json.dumps cannot)."""
+    key = rng.choice(sorted(document))
+    return "{" + json.dumps(key) + ":" + json.dumps(document[key]) + "," + json.dumps(document)[1:]
+
+
+def _deep(text: str, rng: random.Random) -> str:
+    depth = rng.choice((1000, 5000, 100_000))
+    return "{" + '"deep":' + "[" * depth + "]" * depth + "," + text.lstrip()[1:]
+
+
+def _hostile_header(raw: bytes, rng: random.Random) -> bytes:
+    """A well-formed rank file with one hostile thing in its header or its metadata."""
+    text, data = _split(raw)
+    kind = rng.randrange(3)
+    if kind == 0:  # a number made huge: world size, coordinates, shapes, offsets alike
+        numbers = list(re.finditer(r"\d+", text))
+        found = rng.choice(numbers)
+        value = str(rng.choice(HUGE_NUMBERS))
+        return _join(text[: found.start()] + value + text[found.end() :], data)
+    header = json.loads(text)
+    in_metadata = rng.random() < 0.5
+    if kind == 1:  # nested past the recursion limit
+        if in_metadata:
+            header["__metadata__"]["gradstat"] = _deep(header["__metadata__"]["gradstat"], rng)
+            return _join(json.dumps(header), data)
+        return _join(_deep(text, rng), data)
+    if in_metadata:  # a key twice
+        meta = json.loads(header["__metadata__"]["gradstat"])
+        header["__metadata__"]["gradstat"] = _twice(meta, rng)
+        return _join(json.dumps(header), data)
+    return _join(_twice(header, rng), data)
+
+
 def _mutate(raw: bytes, rng: random.Random) -> bytes:
     data = bytearray(raw)
-    kind = rng.randrange(5)
+    kind = rng.randrange(7)
     if kind == 0:  # flip bytes, header and data alike
         for _ in range(rng.randint(1, 8)):
             data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
@@ -59,9 +117,11 @@ def _mutate(raw: bytes, rng: random.Random) -> bytes:
     elif kind == 3:  # insert junk
         position = rng.randrange(len(data) + 1)
         data[position:position] = rng.randbytes(rng.randint(1, 16))
-    else:  # duplicate a slice
+    elif kind == 4:  # duplicate a slice
         start = rng.randrange(len(data))
         data[start:start] = data[start : start + rng.randint(1, 64)]
+    else:
+        return _hostile_header(raw, rng)
     return bytes(data)
 
 
@@ -70,7 +130,11 @@ def _on_alarm(signum: int, frame: FrameType | None) -> None:
 
 
 def campaign(workdir: Path, mutants: int, seed: int = SEED) -> dict[str, int]:
-    """Run ``mutants`` mutants; returns how many ended in an error and in a result."""
+    """Run ``mutants`` mutants; returns how many ended in an error and in a result.
+
+    One valid snapshot in eight also has a rank file truncated between validation and reading:
+    that must end in gradstat's error, never a result or a crash.
+    """
     good = workdir / "good"
     _good_snapshot(good)
     originals = {path.name: path.read_bytes() for path in good.iterdir()}
@@ -84,10 +148,16 @@ def campaign(workdir: Path, mutants: int, seed: int = SEED) -> dict[str, int]:
             shutil.copytree(good, trial)
             victim = rng.choice(sorted(originals))
             (trial / victim).write_bytes(_mutate(originals[victim], rng))
+            cut = rng.random() < 1 / 8
             signal.alarm(10)
             try:
                 snapshot = Snapshot.open(trial)
+                if cut:
+                    shortened = trial / rng.choice(sorted(originals))
+                    kept = rng.randrange(shortened.stat().st_size)
+                    shortened.write_bytes(shortened.read_bytes()[:kept])
                 stats = snapshot_stats(snapshot, (2.0, math.inf))
+                assert not cut, "a snapshot truncated after validation gave a result"
                 assert stats.zeros >= 0 and stats.numel >= 0
                 # What survives validation must survive the diagnostics too.
                 audit_snapshot(snapshot, Place(0, 1))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,54 @@ ATTRIBUTE_KINDS: dict[str, type] = {
 
 def supported_dtypes() -> str:
     return ", ".join(DTYPES)
+
+
+# torch keeps sizes and strides in int64, and computes strides even for a tensor with no
+# element: a [0, 2**62, 4] shape fails in torch.empty as surely as a [2**63] one.
+_TORCH_SIZE_LIMIT = 2**63 - 1
+
+
+def fits_torch(shape: Sequence[int], scale: int = 1) -> bool:
+    """Whether torch can make a tensor of ``shape`` whose elements are ``scale`` times as many.
+
+    Each size, a 0 taken as 1, multiplies in; the check stops as soon as the limit is passed, so
+    a header's huge numbers cost no huge arithmetic.
+    """
+    total = scale
+    for size in shape:
+        total *= max(size, 1)
+        if total > _TORCH_SIZE_LIMIT:
+            return False
+    return True
+
+
+def load_json(path: Path, text: str, what: str) -> Any:
+    """``json.loads`` without the standard library's leniencies toward a hostile file.
+
+    A key given twice in one object is refused (``json`` keeps the last one silently), and
+    nesting deeper than Python's recursion limit becomes an error naming the file.
+
+    Raises:
+        SnapshotError: a duplicate key, or nesting too deep to parse.
+        ValueError: ``text`` is not JSON (the caller words that for its format).
+    """
+
+    def refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        found = dict(pairs)
+        if len(found) != len(pairs):
+            seen: set[str] = set()
+            for key, _ in pairs:
+                if key in seen:
+                    raise SnapshotError(f"{path}: {what} lists {key!r} twice")
+                seen.add(key)
+        return found
+
+    try:
+        return json.loads(text, object_pairs_hook=refuse_duplicates)
+    except RecursionError as error:
+        raise SnapshotError(
+            f"{path}: {what} is nested too deeply to parse (not a gradstat snapshot)"
+        ) from error
 
 
 # A DTensor gradient's placement on its mesh (placements decide what counts).
@@ -210,6 +259,15 @@ class _Fields:
             raise self.fail(f"field {key!r} must be a list of integers >= {minimum}")
         return tuple(values)
 
+    def sizes(self, key: str) -> tuple[int, ...]:
+        """A tensor shape: sizes >= 0 that torch can hold."""
+        shape = self.ints(key)
+        if not fits_torch(shape):
+            raise self.fail(
+                f"field {key!r} is {list(shape)}, too large for torch (its sizes are 64-bit)"
+            )
+        return shape
+
 
 def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
     return kind if isinstance(kind, tuple) else (kind,)
@@ -233,7 +291,7 @@ def parse_header(path: Path, text: str) -> RankHeader:
         SnapshotError: not a gradstat snapshot, another format version, or a malformed field.
     """
     try:
-        document = json.loads(text)
+        document = load_json(path, text, "gradstat metadata")
     except ValueError as error:
         raise SnapshotError(f"{path}: gradstat metadata is not valid JSON ({error})") from error
     top = _Fields(path, "gradstat metadata", document)
@@ -256,10 +314,11 @@ def parse_header(path: Path, text: str) -> RankHeader:
     params = tuple(
         _parse_param(path, index, entry) for index, entry in enumerate(top.get("params", list))
     )
-    names = [record.name for record in params]
-    if len(set(names)) != len(names):
-        duplicate = next(name for name in names if names.count(name) > 1)
-        raise top.fail(f"parameter {duplicate!r} is listed twice")
+    names: set[str] = set()
+    for record in params:
+        if record.name in names:
+            raise top.fail(f"parameter {record.name!r} is listed twice")
+        names.add(record.name)
     return RankHeader(
         rank=rank,
         world_size=world_size,
@@ -315,7 +374,7 @@ def _parse_param(path: Path, index: int, entry: Any) -> ParamRecord:
     dtensor = None
     if dtensor_data is not None:
         dtensor = _parse_dtensor(_Fields(path, f"parameter {name!r} dtensor", dtensor_data))
-    shape = fields.ints("shape")
+    shape = fields.sizes("shape")
     if dtensor is not None and dtensor.global_offset is not None:
         box = zip(dtensor.global_offset, shape, dtensor.global_shape, strict=False)
         if len(shape) != len(dtensor.global_shape) or any(o + n > g for o, n, g in box):
@@ -328,7 +387,7 @@ def _parse_param(path: Path, index: int, entry: Any) -> ParamRecord:
         has_grad=has_grad,
         shape=shape,
         dtype=dtype,
-        param_shape=fields.ints("param_shape"),
+        param_shape=fields.sizes("param_shape"),
         attrs=dict(attrs.data),
         dtensor=dtensor,
     )
@@ -358,7 +417,7 @@ def _parse_dtensor(mesh: _Fields) -> MeshPlacement:
         mesh_shape=mesh.ints("mesh_shape", minimum=1),
         coordinate=mesh.ints("coordinate"),
         placements=placements,
-        global_shape=mesh.ints("global_shape"),
+        global_shape=mesh.sizes("global_shape"),
         mesh_dim_names=None if names is None else tuple(names),
         global_offset=offset,
         copies=tuple(copies),

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import errno
+import itertools
 import math
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +17,15 @@ import torch
 from ..errors import SnapshotError
 from ..groups import AxisPlace
 from .container import Container, mapped, read_container
-from .format import AXES, METADATA_KEY, PLAIN_ATTRS, ParamRecord, RankHeader, parse_header
+from .format import (
+    AXES,
+    METADATA_KEY,
+    PLAIN_ATTRS,
+    ParamRecord,
+    RankHeader,
+    fits_torch,
+    parse_header,
+)
 
 __all__ = ["RankFile", "RebuiltParam", "Snapshot"]
 
@@ -28,12 +38,25 @@ class RebuiltParam:
 
     Duck-types what the core functions read from a parameter: attributes via getattr, the
     gradient as ``.grad``, and ``shape``/``numel()``/``dim()`` of the parameter itself.
+
+    Args:
+        record: the parameter's record in its rank file.
+        grad: its gradient, when the caller holds it.
+        mapped: its rank file's mapped tensors, where ``.grad`` is looked up on each access
+            (the lookup checks the file first; see ``MappedTensors``) until one is assigned.
     """
 
-    def __init__(self, record: ParamRecord, grad: torch.Tensor | None) -> None:
+    def __init__(
+        self,
+        record: ParamRecord,
+        grad: torch.Tensor | None = None,
+        *,
+        mapped: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
         self.record = record
         self._gradstat_name = record.name
-        self.grad = grad
+        self._grad = grad
+        self._mapped = mapped if grad is None and record.has_grad else None
         self.shape = torch.Size(record.param_shape)
         for key in PLAIN_ATTRS:
             value = record.attr(key)
@@ -43,6 +66,16 @@ class RebuiltParam:
         self.group = AxisPlace(*gtp_group) if gtp_group is not None else None
         if record.attr("fsdp_param"):
             self.__fsdp_param__ = True
+
+    @property
+    def grad(self) -> torch.Tensor | None:
+        if self._mapped is not None:
+            return self._mapped[self.record.name]
+        return self._grad
+
+    @grad.setter
+    def grad(self, value: torch.Tensor | None) -> None:
+        self._grad, self._mapped = value, None
 
     @property
     def name(self) -> str:
@@ -72,7 +105,8 @@ class RankFile:
 
     @property
     def size_bytes(self) -> int:
-        return self.path.stat().st_size
+        """The file's size when it was validated."""
+        return self.container.stamp.size
 
     def place(self, axis: str) -> AxisPlace:
         """This rank's place on ``axis``, as the duplicate filters take it."""
@@ -80,12 +114,13 @@ class RankFile:
 
     @contextmanager
     def params(self) -> Iterator[list[RebuiltParam]]:
-        """Map the file and rebuild its parameters; valid inside the ``with`` block only."""
+        """Map the file and rebuild its parameters; valid inside the ``with`` block only.
+
+        A gradient is looked up in the map each time ``.grad`` is read, so that a file
+        truncated meanwhile is found before the gradient's pages are touched.
+        """
         with mapped(self.container) as tensors:
-            yield [
-                RebuiltParam(record, tensors[record.name] if record.has_grad else None)
-                for record in self.header.params
-            ]
+            yield [RebuiltParam(record, mapped=tensors) for record in self.header.params]
 
 
 @dataclass(frozen=True)
@@ -119,9 +154,11 @@ class Snapshot:
             SnapshotError: naming the directory or file and what is wrong.
         """
         folder = Path(directory)
-        if not folder.exists():
-            raise SnapshotError(f"{folder}: no such directory")
-        if not folder.is_dir():
+        try:
+            mode = folder.stat().st_mode
+        except OSError as error:
+            raise SnapshotError(f"{folder}: {_stat_problem(error, 'directory')}") from error
+        if not stat.S_ISDIR(mode):
             raise SnapshotError(f"{folder}: not a directory")
         paths = sorted(path for path in folder.iterdir() if path.name.endswith(".safetensors"))
         if not paths:
@@ -131,12 +168,23 @@ class Snapshot:
         return cls(folder, tuple(sorted(files, key=lambda file: file.rank)))
 
 
+def _stat_problem(error: OSError, kind: str) -> str:
+    """What a failed stat of a snapshot path means, in words."""
+    if error.errno == errno.ELOOP:
+        return "a symlink loop (the link leads back to itself)"
+    if error.errno == errno.ENOENT:
+        return f"no such {kind}"
+    return f"cannot open ({error.strerror or error})"
+
+
 def _open_rank_file(folder: Path, path: Path) -> RankFile:
     try:
+        mode = os.stat(path).st_mode
         resolved = path.resolve(strict=True)
-        mode = os.stat(resolved).st_mode
     except OSError as error:
-        raise SnapshotError(f"{path}: cannot open ({error.strerror or error})") from error
+        raise SnapshotError(f"{path}: {_stat_problem(error, 'file')}") from error
+    except RuntimeError as error:  # Python before 3.13 reports a loop met while resolving so
+        raise SnapshotError(f"{path}: a symlink loop (the link leads back to itself)") from error
     if path.is_symlink() and folder.resolve() not in resolved.parents:
         raise SnapshotError(f"{path}: symlink leads out of the snapshot directory to {resolved}")
     if not stat.S_ISREG(mode):
@@ -169,6 +217,7 @@ def _check_tensors(path: Path, header: RankHeader, container: Container) -> None
             )
         _check_gtp(where, header, record)
         _check_fragment(where, record)
+        _check_full_shape(where, header, record)
 
 
 def _check_gtp(where: str, header: RankHeader, record: ParamRecord) -> None:
@@ -206,11 +255,37 @@ def _check_fragment(where: str, record: ParamRecord) -> None:
         raise SnapshotError(f"{where}: fragment_offset and fragment_shape come together")
     if not all(type(size) is int and size >= 0 for size in shape):
         raise SnapshotError(f"{where}: fragment_shape {shape!r} is not a list of sizes")
+    if not fits_torch(shape):  # before any product of a header's numbers is taken
+        raise SnapshotError(
+            f"{where}: fragment_shape {shape} is too large for torch (its sizes are 64-bit)"
+        )
     if len(record.shape) != 1 or not 0 <= offset <= math.prod(shape) - record.numel:
         raise SnapshotError(
             f"{where}: a fragment of {record.numel} elements at offset {offset} does not fit "
             f"in a parameter of shape {shape}"
         )
+
+
+def _check_full_shape(where: str, header: RankHeader, record: ParamRecord) -> None:
+    """The tensor a shard is part of must be one torch can make, though the shard is empty.
+
+    An empty shard passes every byte count, yet rebuilding its tensor (TP shards side by side,
+    GTP shards stacked) multiplies a size by the axis size, past torch's 64-bit sizes.
+    """
+    tp_axis, gtp_axis = ("etp", "egtp") if record.is_expert else ("tp", "gtp")
+    scale = header.coords[tp_axis][1] if record.attr("tensor_model_parallel") else 1
+    if record.attr("is_gtp_weight_remat"):
+        scale *= header.coords[gtp_axis][1]
+    for label, shape in (
+        ("shape", record.shape),
+        ("param_shape", record.param_shape),
+        ("fragment_shape", record.attr("fragment_shape")),
+    ):
+        if shape is not None and not fits_torch(shape, scale):
+            raise SnapshotError(
+                f"{where}: {label} {list(shape)} across {scale} shards is too large for torch "
+                "(its sizes are 64-bit)"
+            )
 
 
 def _check_whole(folder: Path, files: list[RankFile]) -> None:
@@ -236,6 +311,14 @@ def _check_whole(folder: Path, files: list[RankFile]) -> None:
                     f"{first.path.name}"
                 )
     world_size = first.header.world_size
+    for axis, (_, size) in first.header.coords.items():
+        # An axis's group is a subset of the job: nothing later may build an axis's worth of
+        # anything larger than the rank files present.
+        if size > world_size:
+            raise SnapshotError(
+                f"{first.path}: axis {axis} has size {size}, larger than the world size "
+                f"{world_size}"
+            )
     by_rank: dict[int, RankFile] = {}
     places: dict[tuple[int, ...], RankFile] = {}
     for file in files:
@@ -251,9 +334,13 @@ def _check_whole(folder: Path, files: list[RankFile]) -> None:
                 f"{places[place].rank} ({places[place].path.name})"
             )
         places[place] = file
-    missing = sorted(set(range(world_size)) - set(by_rank))
+    # Each rank is in range(world_size) and none is there twice, so the count of missing ranks
+    # is a difference, and the first few gaps turn up within len(files) + 8 steps: nothing here
+    # is as large as the world size a header claims.
+    missing = world_size - len(by_rank)
     if missing:
-        shown = ", ".join(str(rank) for rank in missing[:8])
+        gaps = (rank for rank in itertools.count() if rank not in by_rank)
+        shown = ", ".join(str(rank) for rank in itertools.islice(gaps, min(missing, 8)))
         raise SnapshotError(
-            f"{folder}: {len(missing)} of {world_size} rank files missing (rank {shown})"
+            f"{folder}: {missing} of {world_size} rank files missing (rank {shown})"
         )
