@@ -6,9 +6,10 @@ The same code runs on one rank or many. Outside an initialized process group a r
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -17,12 +18,8 @@ from torch import Tensor
 from .errors import PartialGradientError
 from .placements import describe, root_mesh
 
-try:
+if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
-
-    _HAVE_DTENSOR = True
-except ImportError:  # a torch built without distributed support has no DTensor
-    _HAVE_DTENSOR = False
 
 __all__ = [
     "AxisPlace",
@@ -139,7 +136,11 @@ def all_reduce(stat: Tensor, op: dist.ReduceOp.RedOpType, group: Any) -> Tensor:
 
 
 def _as_dtensor(grad: Tensor) -> DTensor | None:
-    return grad if _HAVE_DTENSOR and isinstance(grad, DTensor) else None
+    # A DTensor exists only once its package has been imported: looking it up rather than
+    # importing it spares every command the package's half second of imports.
+    package = sys.modules.get("torch.distributed.tensor")
+    dtensor_type = getattr(package, "DTensor", None)
+    return grad if dtensor_type is not None and isinstance(grad, dtensor_type) else None
 
 
 def is_dtensor(grad: Any) -> bool:
