@@ -3,16 +3,18 @@
 Megatron deduplicates by attributes: it counts a parameter that is not tensor-parallel once, on
 TP rank 0, trusting the copies on the other TP ranks to be equal; it skips the ``shared`` tied
 copy, trusting it to equal the original; with a plain optimizer it trusts the data-parallel
-replicas to be equal; it counts GTP padding rows in the norm, trusting them to be zero. When a
-promise is broken, the global norm depends on which copy happened to be counted. Each finding
-names the parameter and the ranks, measures the difference, and gives the global L2 norm had
-the tensor been counted the other way.
+and context-parallel replicas to be equal (gradients are all-reduced over DP x CP); it counts
+GTP padding rows in the norm, trusting them to be zero. When a promise is broken, the global
+norm depends on which copy happened to be counted. Each finding names the parameter and the
+ranks, measures the difference, and gives the global L2 norm had the tensor been counted the
+other way.
 
 Kinds of finding:
 
 - ``tp_replicas_differ``: not tensor-parallel, but its copies differ across TP (ETP) ranks;
 - ``gtp_replicas_differ``: not GTP-sharded, but its copies differ across GTP (EGTP) ranks;
 - ``dp_replicas_differ``: plain optimizer, but data-parallel replicas differ;
+- ``cp_replicas_differ``: plain optimizer, but context-parallel replicas differ;
 - ``tied_copies_differ``: a tied copy (``shared``) differs from its original;
 - ``tied_copy_counted_twice``: two tied copies on different stages, neither marked ``shared``;
 - ``tp_shards_identical``: marked tensor-parallel, yet every TP rank holds the same values
@@ -44,6 +46,7 @@ KINDS = (
     "tp_replicas_differ",
     "gtp_replicas_differ",
     "dp_replicas_differ",
+    "cp_replicas_differ",
     "replicas_differ",
     "tied_copies_differ",
     "tied_copy_counted_twice",
@@ -256,6 +259,27 @@ def _dtensor_copy_pairs(tiles: Sequence[Tile]) -> list[tuple[Tile, Tile]]:
     return pairs
 
 
+def _data_parallel_findings(
+    tiles: Sequence[Tile], files: MappedFiles, rtol: float
+) -> list[dict[str, Any]]:
+    """Plain optimizer: every data- and context-parallel replica against the counted copy.
+
+    A copy on the counted copy's DP rank is a context-parallel replica (``cp_replicas_differ``);
+    any other is a data-parallel one. Megatron all-reduces over DP x CP jointly, so a copy off
+    both axes is named by its DP rank.
+    """
+    by_cp: list[tuple[Tile, Tile]] = []
+    by_dp: list[tuple[Tile, Tile]] = []
+    for ref, other in _replica_pairs(tiles, ("dp", "cp")):
+        same_dp = other.place("dp")[0] == ref.place("dp")[0]
+        (by_cp if same_dp else by_dp).append((ref, other))
+    dp_what = "plain optimizer, yet its data-parallel replicas differ"
+    cp_what = "plain optimizer, yet its context-parallel replicas differ"
+    return _copies_differ("dp_replicas_differ", dp_what, by_dp, files, rtol, True) + (
+        _copies_differ("cp_replicas_differ", cp_what, by_cp, files, rtol, True)
+    )
+
+
 def _attribute_value(tile: Tile, label: str) -> str | None:
     if label == "shape":
         # DTensor shards may be uneven (FSDP2 pads the last ones): their full shape must agree.
@@ -384,9 +408,7 @@ def _audit_param(tiles: Sequence[Tile], distributed_optimizer: bool, rtol: float
             pairs = _replica_pairs(tiles, ("gtp",))
             found += _copies_differ("gtp_replicas_differ", what, pairs, files, rtol, True)
         if not distributed_optimizer:
-            what = "plain optimizer, yet its data-parallel replicas differ"
-            pairs = _replica_pairs(tiles, ("dp", "cp"))
-            found += _copies_differ("dp_replicas_differ", what, pairs, files, rtol, True)
+            found += _data_parallel_findings(tiles, files, rtol)
         if first.tp_sharded and tp > 1:
             found += _identical_shards(name, tiles, files, True)
         found += _padding(name, tiles, files)

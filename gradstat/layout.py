@@ -6,8 +6,10 @@ which pipeline stage, which expert, whether GTP shards it, which weight it is a 
 ``(name, param)`` pairs, each param carrying Megatron's attributes and its local gradient as
 ``.grad``. ``write_snapshot`` saves them as a gradstat snapshot, one file per rank.
 
-Rank order follows the tests' Megatron layouts: dense ranks tp (fastest), gtp, dp, pp; each
-stage's ranks regroup for experts as etp (fastest), egtp, ep, edp.
+Rank order follows Megatron's (``tp-cp-ep-dp-pp``), with GTP next to TP: dense ranks tp
+(fastest), gtp, cp, dp, pp; each stage's ranks regroup for experts as etp (fastest), egtp, ep,
+edp, so expert data parallelism takes in the context-parallel ranks, as Megatron's expert
+groups do.
 
 Slicing rules (what Megatron does, reduced to what the statistics depend on):
 
@@ -19,9 +21,12 @@ Slicing rules (what Megatron does, reduced to what the statistics depend on):
 - Pipeline: a tied copy on another stage than its original (the output layer of a tied
   embedding) holds the original's gradient with ``shared=True``; both carry
   ``shared_embedding=True``. On the same stage there is no copy: Megatron uses one parameter.
+- Context parallelism: CP ranks hold identical copies of every gradient (Megatron all-reduces
+  gradients over DP x CP), like DP replicas.
 - Distributed optimizer: each rank holds 1-D fragments ``grad.view(-1)[start:end]`` of one
   flat buffer per category (dense, expert), params laid end to end in the given order and the
-  buffer split into equal ranges over DP (EDP for experts). Fragments copy the attributes;
+  buffer split into equal ranges over Megatron's data-parallel group with context parallelism
+  (DP x CP, cp the faster; EDP for experts). Fragments copy the attributes;
   fragments of GTP shards are stamped with ``gtp_pad_zeros``, and every fragment with its
   ``fragment_offset`` and ``fragment_shape``.
 """
@@ -49,6 +54,7 @@ __all__ = [
     "ParamLayout",
     "RankParams",
     "Split",
+    "data_parallel_with_cp",
     "shard_gradients",
     "write_snapshot",
 ]
@@ -71,14 +77,15 @@ class LayoutError(GradstatError, ValueError):
 class Layout:
     """Sizes of a Megatron job's parallel axes.
 
-    Each pipeline stage has ``tp * gtp * dp`` ranks; for expert params they regroup as
-    ``etp * egtp * ep * edp``, so ``edp`` is what is left of the stage.
+    Each pipeline stage has ``tp * gtp * cp * dp`` ranks; for expert params they regroup as
+    ``etp * egtp * ep * edp``, so ``edp`` is what is left of the stage (CP included).
     """
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
     gtp: int = 1
+    cp: int = 1
     ep: int = 1
     etp: int = 1
     egtp: int = 1
@@ -86,19 +93,19 @@ class Layout:
     gtp_align: int = 16
 
     def __post_init__(self) -> None:
-        for axis in ("tp", "pp", "dp", "gtp", "ep", "etp", "egtp", "gtp_align"):
+        for axis in ("tp", "pp", "dp", "gtp", "cp", "ep", "etp", "egtp", "gtp_align"):
             if getattr(self, axis) < 1:
                 raise LayoutError(f"layout: {axis} is {getattr(self, axis)}, must be >= 1")
         expert_ranks = self.etp * self.egtp * self.ep
         if self.stage_size % expert_ranks:
             raise LayoutError(
-                f"layout: a stage's {self.stage_size} ranks (tp x gtp x dp) cannot be regrouped "
-                f"as etp x egtp x ep = {expert_ranks} times an expert-data-parallel size"
+                f"layout: a stage's {self.stage_size} ranks (tp x gtp x cp x dp) cannot be "
+                f"regrouped as etp x egtp x ep = {expert_ranks} times an expert-data-parallel size"
             )
 
     @property
     def stage_size(self) -> int:
-        return self.tp * self.gtp * self.dp
+        return self.tp * self.gtp * self.cp * self.dp
 
     @property
     def world_size(self) -> int:
@@ -112,12 +119,25 @@ class Layout:
         """``{axis: (rank_on_axis, axis_size)}`` of ``rank``, as ``save_rank`` takes them."""
         if not 0 <= rank < self.world_size:
             raise LayoutError(f"rank {rank} is outside world size {self.world_size}")
-        dense = _unravel(rank, (("tp", self.tp), ("gtp", self.gtp), ("dp", self.dp)))
+        dense = _unravel(
+            rank, (("tp", self.tp), ("gtp", self.gtp), ("cp", self.cp), ("dp", self.dp))
+        )
         expert = _unravel(
             rank % self.stage_size,
             (("etp", self.etp), ("egtp", self.egtp), ("ep", self.ep), ("edp", self.edp)),
         )
-        return dense | expert | {"pp": (rank // self.stage_size, self.pp), "cp": (0, 1)}
+        return dense | expert | {"pp": (rank // self.stage_size, self.pp)}
+
+
+def data_parallel_with_cp(coords: Mapping[str, Sequence[int]]) -> tuple[int, int]:
+    """(rank, size) in Megatron's data-parallel group with context parallelism (DP x CP).
+
+    The distributed optimizer shards dense parameters over this group
+    (``get_data_parallel_group(with_context_parallel=True)``); its ranks are in global rank
+    order, where cp runs faster than dp.
+    """
+    (dp_rank, dp_size), (cp_rank, cp_size) = coords["dp"], coords.get("cp", (0, 1))
+    return dp_rank * cp_size + cp_rank, dp_size * cp_size
 
 
 def _unravel(rank: int, axes: Sequence[tuple[str, int]]) -> dict[str, tuple[int, int]]:
@@ -323,7 +343,8 @@ def shard_gradients(
         if layout.distributed_optimizer:
             dense = [(name, p) for name, p in params if getattr(p, "allreduce", True)]
             expert = [(name, p) for name, p in params if not getattr(p, "allreduce", True)]
-            params = _fragments(dense, *coords["dp"]) + _fragments(expert, *coords["edp"])
+            dense_fragments = _fragments(dense, *data_parallel_with_cp(coords))
+            params = dense_fragments + _fragments(expert, *coords["edp"])
         ranks.append(RankParams(rank, coords, params))
     return ranks
 

@@ -6,9 +6,12 @@ A rank that fails or hangs fails the test; it never hangs it.
 
 The model is a small GPT with tied embeddings and optional MoE layers. Its full, unsharded
 gradients come from a seeded generator, so the test process builds the same tensors as every
-rank. Each rank cuts out its own shard the way Megatron lays it out (TP, PP, DP, EP/ETP,
+rank. Each rank cuts out its own shard the way Megatron lays it out (TP, CP, PP, DP, EP/ETP,
 GTP/EGTP, distributed-optimizer fragments), makes the real process groups, and computes the
 statistics with gradstat. The float64 oracle reads the unsharded gradients.
+
+The same sharder writes snapshots (:func:`write_snapshot`) with nothing but ``save_rank``, so
+``compare`` and ``audit`` are also tested on layouts that ``gradstat.layout`` did not make.
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ import torch.multiprocessing as mp
 from torch import Tensor
 
 import gradstat
-from gradstat.layout import FRAGMENT_ATTRS
 from tests._params import param_with
 
 NORM_TYPES: tuple[float, ...] = (2.0, 1.0, 3.0, math.inf)
@@ -221,6 +223,8 @@ EMBEDDING_SCALE = 10.0
 
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT_COPY = "output_layer.weight"
+# A GTP shard's boolean mask of its padding elements (a test-only attribute; never saved).
+PAD_MASK = "_test_gtp_pad_mask"
 
 
 @dataclass(frozen=True)
@@ -313,9 +317,13 @@ def oracle_grads(moe: bool) -> dict[str, list[Tensor]]:
 class Layout:
     """A Megatron parallel layout of the model.
 
-    Dense ranks are ordered tp (fastest), gtp, dp, pp; expert ranks regroup each stage's ranks as
-    etp (fastest), egtp, ep, edp. The last two fields break the layout on purpose (negative
-    controls): the tied output copy loses ``shared``, or fragments are stamped with 0 padding.
+    Dense ranks are ordered tp (fastest), gtp, cp, dp, pp (Megatron's tp-cp-dp-pp); expert
+    ranks regroup each stage's ranks as etp (fastest), egtp, ep, edp, the expert data-parallel
+    ranks taking in the context-parallel ones. CP ranks hold the same gradients (all-reduced
+    over DP x CP); the distributed optimizer shards over DP x CP, cp the faster. The last three
+    fields break the layout on purpose (negative controls): the tied output copy loses
+    ``shared``, fragments are stamped with 0 padding, or the plain optimizer's statistics are
+    also summed over the CP ranks.
     """
 
     name: str
@@ -326,25 +334,34 @@ class Layout:
     ep: int = 1
     etp: int = 1
     egtp: int = 1
+    cp: int = 1
     moe: bool = False
     distopt: bool = False
     align: int = 4
     axis_places: bool = False  # tp/gtp arguments and GTP `group` attrs as AxisPlace objects
     untie_output_copy: bool = False
     stamp_pad_zeros: bool = True
+    stats_over_cp: bool = False
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.gtp * self.dp * self.pp
+        return self.tp * self.gtp * self.cp * self.dp * self.pp
 
     @property
     def edp(self) -> int:
-        stage = self.tp * self.gtp * self.dp
+        stage = self.tp * self.gtp * self.cp * self.dp
         assert stage % (self.etp * self.egtp * self.ep) == 0, self
         return stage // (self.etp * self.egtp * self.ep)
 
     def dense_axes(self) -> list[tuple[str, int]]:
-        return [("tp", self.tp), ("gtp", self.gtp), ("dp", self.dp), ("pp", self.pp)]
+        """Axes fastest first; cp only when it is split (layouts without CP keep the
+        coordinates they always had)."""
+        cp = [("cp", self.cp)] if self.cp > 1 else []
+        return [("tp", self.tp), ("gtp", self.gtp), *cp, ("dp", self.dp), ("pp", self.pp)]
+
+    def dp_cp_place(self, dense: dict[str, int]) -> tuple[int, int]:
+        """(rank, size) among the ranks the distributed optimizer shards dense params over."""
+        return dense["dp"] * self.cp + dense.get("cp", 0), self.dp * self.cp
 
     def expert_axes(self) -> list[tuple[str, int]]:
         return [
@@ -427,6 +444,12 @@ def _partition(axes: Sequence[tuple[str, int]], grouped: set[str]) -> list[list[
     return list(groups.values())
 
 
+def group_containing(axes: Sequence[tuple[str, int]], grouped: set[str], rank: int) -> list[int]:
+    """The ranks of ``rank``'s group along the ``grouped`` axes, as make_rank_view makes it."""
+    (ranks,) = [ranks for ranks in _partition(axes, grouped) if rank in ranks]
+    return ranks
+
+
 def _my_group(rank: int, partition: list[list[int]]) -> dist.ProcessGroup:
     """Make every group of the partition (every rank must, in the same order); return ours."""
     mine = None
@@ -455,27 +478,32 @@ def make_rank_view(layout: Layout, rank: int) -> RankView:
     """Coordinates and real process groups of ``rank`` (collective: every rank calls it)."""
     dense_axes, expert_axes = layout.dense_axes(), layout.expert_axes()
     groups: dict[str, Any] = {}
+    sizes = dict(dense_axes) | dict(expert_axes)
     for key, axes, grouped in (
         ("tp", dense_axes, {"tp"}),
         ("gtp", dense_axes, {"gtp"}),
+        ("cp", dense_axes, {"cp"}),
         ("dp", dense_axes, {"dp"}),
+        ("dp_cp", dense_axes, {"dp", "cp"}),
         ("etp", expert_axes, {"etp"}),
         ("egtp", expert_axes, {"egtp"}),
         ("edp", expert_axes, {"edp"}),
     ):
-        if dict(axes)[key] > 1:
+        if math.prod(sizes.get(axis, 1) for axis in grouped) > 1:
             groups[key] = _my_group(rank, _partition(axes, grouped))
     if layout.distopt:
         groups["dense_stats"] = groups["expert_stats"] = dist.group.WORLD
     else:
-        # Plain optimizer: reduce over the model-parallel ranks of one data-parallel replica.
-        groups["dense_stats"] = _my_group(rank, _partition(dense_axes, {"tp", "gtp", "pp"}))
+        # Plain optimizer: reduce over the model-parallel ranks of one data-parallel replica
+        # (CP ranks are replicas too; the negative control sums over them as well).
+        model_parallel = {"tp", "gtp", "pp"} | ({"cp"} if layout.stats_over_cp else set())
+        groups["dense_stats"] = _my_group(rank, _partition(dense_axes, model_parallel))
         if layout.moe:
             expert_mp = {"etp", "egtp", "ep", "pp"}
             groups["expert_stats"] = _my_group(rank, _partition(expert_axes, expert_mp))
     dense, expert = _coords(rank, dense_axes), _coords(rank, expert_axes)
     if layout.axis_places:
-        sizes, coords = dict(dense_axes) | dict(expert_axes), dense | expert
+        coords = dense | expert
         for key in ("tp", "gtp", "etp", "egtp"):
             if key in groups:
                 groups[key] = gradstat.AxisPlace(coords[key], sizes[key])
@@ -489,10 +517,14 @@ def _tp_shard(grad: Tensor, split: str, index: int, size: int) -> Tensor:
     return grad.chunk(size, dim=dim)[index]
 
 
-def _gtp_shard(grad: Tensor, align: int, index: int, size: int) -> tuple[Tensor, int]:
+def _gtp_shard(grad: Tensor, align: int, index: int, size: int) -> tuple[Tensor, int, Tensor]:
+    """Rank ``index``'s GTP shard, the padding rows added, and a mask of its padding elements
+    (made by padding and splitting a real mask, not by arithmetic)."""
     pad = gtp_pad_rows(grad.shape[0], align, size)
     padded = torch.cat([grad, grad.new_zeros((pad, *grad.shape[1:]))])
-    return padded.chunk(size)[index], pad
+    is_pad = torch.zeros(padded.shape, dtype=torch.bool)
+    is_pad[grad.shape[0] :] = True
+    return padded.chunk(size)[index], pad, is_pad.chunk(size)[index]
 
 
 def local_params(layout: Layout, view: RankView) -> list[torch.nn.Parameter]:
@@ -526,8 +558,9 @@ def local_params(layout: Layout, view: RankView) -> list[torch.nn.Parameter]:
                 partition_stride=1,
             )
         if spec.gtp and sizes[gtp_axis] > 1:
-            grad, pad = _gtp_shard(grad, layout.align, coords[gtp_axis], sizes[gtp_axis])
+            grad, pad, mask = _gtp_shard(grad, layout.align, coords[gtp_axis], sizes[gtp_axis])
             attrs.update(is_gtp_weight_remat=True, pad_length=pad, group=view.axis(gtp_axis))
+            attrs[PAD_MASK] = mask
         if spec.name == EMBEDDING and layout.pp > 1:
             attrs["shared_embedding"] = True
         params.append(param_with(grad.clone(), **attrs))
@@ -549,7 +582,20 @@ def local_params(layout: Layout, view: RankView) -> list[torch.nn.Parameter]:
     return params
 
 
-_FRAGMENT_ATTRS = (*FRAGMENT_ATTRS, "_gradstat_name")
+# The attributes a fragment copies from its model param: every one local_params sets but the
+# padding mask, which the fragment's own gtp_pad_zeros stamp replaces.
+_FRAGMENT_ATTRS = (
+    "tensor_model_parallel",
+    "partition_dim",
+    "partition_stride",
+    "allreduce",
+    "shared",
+    "shared_embedding",
+    "is_gtp_weight_remat",
+    "pad_length",
+    "group",
+    "_gradstat_name",
+)
 
 
 def fragments(
@@ -559,7 +605,8 @@ def fragments(
 
     The params are laid end to end in one flat buffer, split into ``dp_size`` equal ranges;
     each fragment is ``param.view(-1)[start:end]`` of a param overlapping this rank's range,
-    with the param's attributes and, for GTP shards, the padding inside it (``gtp_pad_zeros``).
+    with the param's attributes, for GTP shards the padding inside it (``gtp_pad_zeros``), and
+    where it lies (``fragment_offset``, ``fragment_shape``: what compare and audit place it by).
     """
     total = sum(param.numel() for param in params)
     per_rank = -(-total // dp_size)
@@ -572,13 +619,73 @@ def fragments(
             continue
         attrs = {key: getattr(param, key) for key in _FRAGMENT_ATTRS if hasattr(param, key)}
         if getattr(param, "is_gtp_weight_remat", False):
-            pads = gradstat.gtp_local_pad_zero_count(param, start, end)
+            pads = int(getattr(param, PAD_MASK).reshape(-1)[start:end].sum())
             attrs["gtp_pad_zeros"] = pads if stamp else 0
+        attrs.update(fragment_offset=start, fragment_shape=list(param.shape))
         main_params.append(param_with(param.grad.view(-1)[start:end], **attrs))
     return main_params
 
 
-def _category_stats(params: list[Any], view: RankView, stats_group: Any) -> dict[str, Any]:
+def offline_view(layout: Layout, rank: int) -> RankView:
+    """A rank's coordinates, with AxisPlace objects standing in for its TP/GTP groups."""
+    dense, expert = _coords(rank, layout.dense_axes()), _coords(rank, layout.expert_axes())
+    sizes, coords = dict(layout.dense_axes()) | dict(layout.expert_axes()), dense | expert
+    groups = {
+        axis: gradstat.AxisPlace(coords[axis], sizes[axis])
+        for axis in ("tp", "gtp", "etp", "egtp")
+        if sizes[axis] > 1
+    }
+    return RankView(dense, expert, groups)
+
+
+def rank_params(layout: Layout, rank: int) -> list[torch.nn.Parameter]:
+    """What ``rank`` hands to the optimizer's statistics: its shards, or with the distributed
+    optimizer its fragments (dense over DP x CP, expert over EDP)."""
+    view = offline_view(layout, rank)
+    params = local_params(layout, view)
+    if not layout.distopt:
+        return params
+    dense = [param for param in params if getattr(param, "allreduce", True)]
+    experts = [param for param in params if not getattr(param, "allreduce", True)]
+    stamp = layout.stamp_pad_zeros
+    return fragments(dense, *layout.dp_cp_place(view.dense), stamp) + fragments(
+        experts, view.expert["edp"], layout.edp, stamp
+    )
+
+
+def dump_layout(
+    layout: Layout,
+    directory: Path,
+    step: int = 7,
+    plant: Callable[[int, list[torch.nn.Parameter]], None] | None = None,
+) -> Path:
+    """What every rank of a job in ``layout`` writes with save_rank: a snapshot made without
+    ``gradstat.layout``. ``plant(rank, params)`` may edit a rank's params before they are saved.
+    """
+    from gradstat.snapshot import save_rank
+
+    sizes = dict(layout.dense_axes()) | dict(layout.expert_axes())
+    for rank in range(layout.world_size):
+        view = offline_view(layout, rank)
+        params = rank_params(layout, rank)
+        if plant is not None:
+            plant(rank, params)
+        coords = {axis: [(view.dense | view.expert)[axis], size] for axis, size in sizes.items()}
+        save_rank(
+            directory,
+            [(param._gradstat_name, param) for param in params],
+            rank=rank,
+            world_size=layout.world_size,
+            coords=coords,
+            distributed_optimizer=layout.distopt,
+            step=step,
+        )
+    return directory
+
+
+def category_stats(params: list[Any], view: RankView, stats_group: Any) -> dict[str, Any]:
+    """gradstat's norms and zero count of one optimizer's params (dense or expert), with the
+    rank's TP/GTP groups as filters and ``stats_group`` as Megatron's grad_stats_parallel_group."""
     filters = {
         "tp_group": view.axis("tp"),
         "expert_tp_group": view.axis("etp"),
@@ -609,10 +716,10 @@ def run_layout(rank: int, world_size: int, layout: Layout) -> dict[str, Any]:
     experts = [param for param in params if not getattr(param, "allreduce", True)]
     if layout.distopt:
         stamp = layout.stamp_pad_zeros
-        dense = fragments(dense, view.dense["dp"], layout.dp, stamp)
+        dense = fragments(dense, *layout.dp_cp_place(view.dense), stamp)
         experts = fragments(experts, view.expert["edp"], layout.edp, stamp)
     result: dict[str, Any] = {
-        "dense": _category_stats(dense, view, view.groups["dense_stats"]),
+        "dense": category_stats(dense, view, view.groups["dense_stats"]),
         # (padding, elements) of each stamped fragment, to check what the layout exercised.
         "stamped": [
             (int(param.gtp_pad_zeros), param.numel())
@@ -621,7 +728,7 @@ def run_layout(rank: int, world_size: int, layout: Layout) -> dict[str, Any]:
         ],
     }
     if layout.moe:
-        result["expert"] = _category_stats(experts, view, view.groups["expert_stats"])
+        result["expert"] = category_stats(experts, view, view.groups["expert_stats"])
         result["total"] = combine(result["dense"], result["expert"])
     else:
         result["total"] = result["dense"]
@@ -629,17 +736,20 @@ def run_layout(rank: int, world_size: int, layout: Layout) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------
-# DTensor gradients (Megatron-FSDP style): a 1-D mesh, Shard(0)
+# DTensor gradients (Megatron-FSDP style): Shard(0) on a 1-D mesh, or HSDP's 2-D mesh
 # ---------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class DTensorCase:
-    """Gradients split over ``tp`` TP ranks, then Shard(0) over a 1-D DeviceMesh of ``dp`` ranks."""
+    """Gradients split over ``tp`` TP ranks, then Shard(0) over a 1-D DeviceMesh of ``dp``
+    ranks; with ``replicate`` > 1, (Replicate, Shard(0)) over a 2-D mesh of ``replicate`` x
+    ``dp / replicate`` ranks, as HSDP lays them out."""
 
     name: str
     tp: int
     dp: int
+    replicate: int = 1
 
     @property
     def world_size(self) -> int:
@@ -663,20 +773,27 @@ def dtensor_grads() -> dict[str, tuple[Tensor, str]]:
 
 
 def run_dtensor(rank: int, world_size: int, case: DTensorCase) -> dict[str, Any]:
-    """Norms and zero count of DTensor grads sharded over a 1-D DP mesh, reduced over TP."""
+    """Norms and zero count of DTensor grads sharded over a DP mesh, reduced over TP."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     assert world_size == case.world_size, (world_size, case)
-    mesh = init_device_mesh("cpu", (case.tp, case.dp), mesh_dim_names=("tp", "dp"))
-    dp_mesh = mesh["dp"]
+    if case.replicate > 1:
+        shape = (case.tp, case.replicate, case.dp // case.replicate)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("tp", "dp_replicate", "dp_shard"))
+        dp_mesh = mesh["dp_replicate", "dp_shard"]
+        placements: list[Any] = [Replicate(), Shard(0)]
+    else:
+        mesh = init_device_mesh("cpu", (case.tp, case.dp), mesh_dim_names=("tp", "dp"))
+        dp_mesh = mesh["dp"]
+        placements = [Shard(0)]
     # The stats group is the model-parallel group: TP here, a single rank when tp == 1.
     tp_group = mesh["tp"].get_group()
     tp_rank = mesh.get_local_rank("tp")
     params = []
     for grad, split in dtensor_grads().values():
         local = _tp_shard(grad, split, tp_rank, case.tp)
-        sharded = distribute_tensor(local.contiguous(), dp_mesh, [Shard(0)], src_data_rank=None)
+        sharded = distribute_tensor(local.contiguous(), dp_mesh, placements, src_data_rank=None)
         params.append(
             param_with(
                 sharded,
@@ -688,7 +805,13 @@ def run_dtensor(rank: int, world_size: int, case: DTensorCase) -> dict[str, Any]
     norms = {p: gradstat.get_grad_norm_fp32(selected, p, tp_group) for p in NORM_TYPES}
     zeros = gradstat.count_zeros_fp32(params, tp_group, tp_group=tp_group)
     local_sizes = [param.grad.to_local().shape[0] for param in params]
-    return {"norms": norms, "zeros": zeros, "dp_size": dp_mesh.size(), "local_rows": local_sizes}
+    return {
+        "norms": norms,
+        "zeros": zeros,
+        "dp_size": dp_mesh.size(),
+        "mesh_dims": dp_mesh.ndim,
+        "local_rows": local_sizes,
+    }
 
 
 # ---------------------------------------------------------------------------------------------

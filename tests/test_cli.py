@@ -13,9 +13,8 @@ import pytest
 from typer.testing import CliRunner
 
 from gradstat.cli import app
-from tests._layouts import Layout, full_grads, model_specs
+from tests._layouts import Layout, dump_layout, full_grads, model_specs
 from tests._oracle import float64_norm, rel_err, zeros_in
-from tests.test_snapshot import dump_layout
 
 LAYOUT = Layout("tp2_pp2_ep2_gtp2_moe", tp=2, pp=2, gtp=2, ep=2, moe=True, align=8)
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_data"
@@ -134,30 +133,44 @@ def test_table_output_names_the_nonfinite_rank() -> None:
     assert "decoder.layers.1.self_attention.linear_qkv.weight" in result.stdout
 
 
+def _one_error_line(result: subprocess.CompletedProcess[str]) -> str:
+    """The README's promise for bad input: exit 2, nothing on stdout, one line on stderr."""
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    assert result.stderr.endswith("\n") and result.stderr.count("\n") == 1, result.stderr
+    return result.stderr.removesuffix("\n")
+
+
+NORM_TYPES_TOLD = "use 2, 1, inf or a number p > 0"
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["norm", "/nonexistent/snapshot"], "/nonexistent/snapshot: no such directory"),
-        (["norm", "SAMPLE", "--norm-type", "0"], "--norm-type '0' is not supported"),
-        (["norm", "SAMPLE", "--norm-type", "two"], "--norm-type 'two' is not supported"),
-        (["norm", "SAMPLE", "--max-norm", "-1"], "--max-norm must be a positive number"),
-        (["zeros", "EMPTY"], "no rank files"),
+        (
+            ["norm", "SAMPLE", "--norm-type", "0"],
+            f"--norm-type '0' is not supported; {NORM_TYPES_TOLD}",
+        ),
+        (
+            ["norm", "SAMPLE", "--norm-type", "two"],
+            f"--norm-type 'two' is not supported; {NORM_TYPES_TOLD}",
+        ),
+        (["norm", "SAMPLE", "--max-norm", "-1"], "--max-norm must be a positive number, got -1.0"),
+        (["zeros", "EMPTY"], "EMPTY: no rank files (*.safetensors) in the directory"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str, tmp_path: Path) -> None:
     substitutions = {"SAMPLE": str(SAMPLES / "gtp2-pp2-dp2-ep2"), "EMPTY": str(tmp_path)}
     result = _gradstat(*[substitutions.get(arg, arg) for arg in args])
-    assert result.returncode == 2
-    assert result.stdout == ""
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("gradstat: error: ")
-    assert message in lines[0]
+    expected = "gradstat: error: " + message.replace("EMPTY", str(tmp_path))
+    assert _one_error_line(result) == expected
 
 
 def test_unknown_command_is_a_usage_error() -> None:
-    result = _gradstat("nonsense")
-    assert result.returncode == 2
-    assert "Traceback" not in result.stderr
+    assert _one_error_line(_gradstat("nonsense")) == (
+        "gradstat: error: no such command 'nonsense'; see 'python -m gradstat --help'"
+    )
 
 
 def _digest(directory: Path) -> dict[str, bytes]:
@@ -204,7 +217,10 @@ def test_clip_refuses_nonfinite_unless_asked(tmp_path: Path) -> None:
     source = SAMPLES / "tp2-pp2-dp2-ep2-distopt-nan"
     out = tmp_path / "out"
     result = _gradstat("clip", str(source), "--max-norm", "1", "--out", str(out))
-    assert result.returncode == 2 and "refusing to write a clipped copy" in result.stderr
+    assert _one_error_line(result) == (
+        f"gradstat: error: {source}: the 2 norm is nan; refusing to write a clipped copy of "
+        "non-finite gradients (gradstat norm locates them; --allow-nonfinite writes it anyway)"
+    )
     assert not out.exists() and list(tmp_path.iterdir()) == []
     result = _gradstat(
         "clip", str(source), "--max-norm", "1", "--out", str(out), "--allow-nonfinite"
@@ -225,8 +241,12 @@ def test_clip_refuses_unsafe_outputs(snapshot_dir: Path, tmp_path: Path, where: 
         (out / "keep.txt").write_text("mine")
     before = _digest(snapshot_dir)
     result = _gradstat("clip", str(snapshot_dir), "--max-norm", "1", "--out", str(out))
-    assert result.returncode == 2
-    assert len(result.stderr.strip().splitlines()) == 1
+    problem = {
+        "nonempty": "exists and is not an empty directory; choose a new one",
+        "inside": "the output must not be the input snapshot or inside it",
+        "same": "the output must not be the input snapshot or inside it",
+    }[where]
+    assert _one_error_line(result) == f"gradstat: error: {out}: {problem}"
     assert _digest(snapshot_dir) == before
     if where == "nonempty":
         assert _digest(out) == {"keep.txt": b"mine"}
@@ -251,6 +271,9 @@ def test_interrupted_clip_leaves_no_output(
     result = CliRunner().invoke(
         app, ["clip", str(snapshot_dir), "--max-norm", "0.1", "--out", str(out)]
     )
-    assert result.exit_code == 2
-    assert "No space left on device" in result.stderr
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr == (
+        f"gradstat: error: {out}: cannot write the clipped snapshot "
+        "([Errno 28] No space left on device)\n"
+    )
     assert list(tmp_path.iterdir()) == []

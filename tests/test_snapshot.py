@@ -20,11 +20,8 @@ from tests._layouts import (
     NORM_TYPES,
     OUTPUT_COPY,
     Layout,
-    RankView,
-    _coords,
-    fragments,
+    dump_layout,
     full_grads,
-    local_params,
     model_specs,
 )
 from tests._oracle import float64_norm, rel_err, zeros_in
@@ -45,43 +42,12 @@ LAYOUTS = [
     Layout("tp2_gtp2_dp2_plain", tp=2, gtp=2, dp=2),
     Layout("gtp4_dp2_distopt_spill", gtp=4, dp=2, align=8, distopt=True),
     Layout("tp2_dp4_ep4_etp2_moe_distopt", tp=2, dp=4, ep=4, etp=2, moe=True, distopt=True),
+    # Context parallelism: CP ranks hold copies (plain optimizer), or fragments of DP x CP.
+    Layout("tp2_cp2_plain", tp=2, cp=2),
+    Layout("cp2_dp2_pp2_distopt_tied", cp=2, dp=2, pp=2, distopt=True),
+    Layout("tp2_cp2_dp2_ep4_moe_distopt", tp=2, cp=2, dp=2, ep=4, moe=True, distopt=True),
+    Layout("gtp2_cp2_ep2_egtp2_moe_spill", gtp=2, cp=2, ep=2, egtp=2, moe=True, align=8),
 ]
-
-
-def _offline_view(layout: Layout, rank: int) -> RankView:
-    """A rank's coordinates, with AxisPlace objects standing in for its groups."""
-    dense, expert = _coords(rank, layout.dense_axes()), _coords(rank, layout.expert_axes())
-    sizes, coords = dict(layout.dense_axes()) | dict(layout.expert_axes()), dense | expert
-    groups = {
-        axis: gradstat.AxisPlace(coords[axis], sizes[axis])
-        for axis in ("tp", "gtp", "etp", "egtp")
-        if sizes[axis] > 1
-    }
-    return RankView(dense, expert, groups)
-
-
-def dump_layout(layout: Layout, directory: Path, step: int = 7) -> None:
-    """What every rank of a job in ``layout`` writes with save_rank."""
-    sizes = dict(layout.dense_axes()) | dict(layout.expert_axes())
-    for rank in range(layout.world_size):
-        view = _offline_view(layout, rank)
-        params = local_params(layout, view)
-        if layout.distopt:
-            dense = [param for param in params if getattr(param, "allreduce", True)]
-            experts = [param for param in params if not getattr(param, "allreduce", True)]
-            params = fragments(dense, view.dense["dp"], layout.dp, True) + fragments(
-                experts, view.expert["edp"], layout.edp, True
-            )
-        coords = {axis: [(view.dense | view.expert)[axis], size] for axis, size in sizes.items()}
-        save_rank(
-            directory,
-            [(param._gradstat_name, param) for param in params],
-            rank=rank,
-            world_size=layout.world_size,
-            coords=coords,
-            distributed_optimizer=layout.distopt,
-            step=step,
-        )
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.name)
