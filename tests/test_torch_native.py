@@ -32,6 +32,12 @@ PYTORCH_CLIPS = ("fsdp2", "hsdp", "tp_sp_fsdp2", "hsdp_tp_sp", "ddp")
 # Where get_grad_norm_fp32 with the default group sees every copy through placements alone.
 MEGATRON_API_EXACT = ("fsdp2", "hsdp", "tp_sp_fsdp2", "hsdp_tp_sp")
 PLANTED = "hsdp-planted"
+# FSDP2's snapshot again, with one element of rank 1's Shard(0) piece of this weight changed.
+PLANTED_SHARD, SHARD_PARAM, SHARD_VALUE = (
+    "fsdp2-planted-shard",
+    "layers.0.attention.wq.weight",
+    3.25,
+)
 
 
 def recipe(name: str) -> str:
@@ -72,6 +78,15 @@ def _run_job(rank: int, world_size: int, arg: tuple[str, str]) -> dict[str, Any]
     named = [(native.logical_name(name), param) for name, param in model.named_parameters()]
     save_rank(f"{root}/{job}-save", named, rank=rank, world_size=world_size,
               coords={"dp": [rank, world_size]}, step=3)  # fmt: skip
+    if job == "fsdp2":
+        local = dict(model.named_parameters())[SHARD_PARAM].grad.to_local()
+        old = float(local[0, 0])
+        if rank == 1:
+            local[0, 0] = SHARD_VALUE
+        exec(recipe("capture"), {"directory": f"{root}/{PLANTED_SHARD}", "model": model, "step": 3})
+        if rank == 1:
+            local[0, 0] = old
+        result["planted_shard_old"] = old
     # The README's live recipe: norm, inf norm, zeros, clip in place.
     namespace: dict[str, Any] = {"model": model, "max_norm": MAX_NORM}
     exec(recipe("live"), namespace)
@@ -201,6 +216,25 @@ def test_audit_finds_a_replicate_copy_that_differs(jobs: tuple[LaunchReport, Pat
     assert code == 1
     (finding,) = result["findings"]
     assert finding["kind"] == "replicas_differ" and finding["name"] == "norm.weight"
+
+
+def test_compare_names_a_changed_shard_of_a_real_dtensor_snapshot(
+    jobs: tuple[LaunchReport, Path],
+) -> None:
+    """One element of one FSDP2 Shard(0) piece: compare finds it against the clean snapshot and
+    against DDP's (plain full tensors), names it and measures it; audit has nothing to say (a
+    Shard piece has no copy)."""
+    report, root = jobs
+    old = report.values("fsdp2")[1]["planted_shard_old"]
+    for clean in ("fsdp2", "ddp"):
+        code, result = _cli("compare", str(root / clean), str(root / PLANTED_SHARD))
+        assert code == 1 and result["mismatches"] == [SHARD_PARAM], result["mismatches"]
+        (row,) = [row for row in result["params"] if row["name"] == SHARD_PARAM]
+        assert "values" in row["flags"]
+        if clean == "fsdp2":
+            assert row["max_abs_diff"] == abs(SHARD_VALUE - old)
+    code, audit = _cli("audit", str(root / PLANTED_SHARD))
+    assert code == 0 and audit["findings"] == []
 
 
 def test_under_torchrun_the_numbers_are_the_same(jobs: tuple[LaunchReport, Path]) -> None:
