@@ -9,6 +9,7 @@ import torch
 
 from gradstat import clip_grad_by_total_norm_fp32, get_grad_norm_fp32
 from gradstat.errors import GradDtypeError
+from tests._oracle import float64_norm, rel_err
 from tests._params import param_with
 
 
@@ -31,10 +32,14 @@ def test_gradients_are_scaled_by_the_coefficient(as_tensor: bool) -> None:
 
 
 def test_clipped_norm_equals_max_norm() -> None:
+    """The norm before and after comes from the float64 oracle, not from the function under
+    test: a norm k times off would leave the clipped gradients with norm 1/k."""
     params = _params(1)
+    expected = float64_norm([param.grad for param in params], 2)
     total = get_grad_norm_fp32([param.grad for param in params])
+    assert rel_err(total, expected) <= 1e-6
     clip_grad_by_total_norm_fp32(params, 1.0, total)
-    assert get_grad_norm_fp32([param.grad for param in params]) == pytest.approx(1.0, rel=1e-6)
+    assert float64_norm([param.grad for param in params], 2) == pytest.approx(1.0, rel=1e-6)
 
 
 @pytest.mark.parametrize("total", [0.5, 1.0 - 1e-6, 0.0, math.nan])
