@@ -545,3 +545,31 @@ def test_usage_errors_exit_2(args: list[str]) -> None:
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2
     assert result.stdout == ""
+
+
+def test_coordinates_that_describe_more_places_than_ranks(tmp_path: Path) -> None:
+    """Issue 18: dp read with GTP folded in (TP=1 x GTP=2 x DP=2 dumped with dp [r, 4]) made a
+    snapshot whose replicas were merged wrongly, 1.7% low and exit 0. It is refused."""
+    import torch
+
+    from gradstat.snapshot import save_rank
+    from tests._params import param_with
+
+    snapshot = tmp_path / "gtp-folded-into-dp"
+    for rank in range(4):
+        grad = torch.full((4, 2), float(rank + 1))
+        param = param_with(grad, tensor_model_parallel=False)
+        coords = {"dp": [rank, 4], "gtp": [rank % 2, 2]}
+        save_rank(snapshot, [("w", param)], rank=rank, world_size=4, coords=coords)
+    before = {path.name: path.read_bytes() for path in snapshot.iterdir()}
+    result = subprocess.run(
+        [sys.executable, "-m", "gradstat", "norm", str(snapshot)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 2 and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "describe 8 places" in lines[0] and "has 4 ranks" in lines[0]
+    assert {path.name: path.read_bytes() for path in snapshot.iterdir()} == before

@@ -31,6 +31,7 @@ __all__ = ["RankFile", "RebuiltParam", "Snapshot"]
 
 # Axes whose coordinates, together, tell dense ranks apart.
 _DENSE_AXES = ("tp", "cp", "dp", "pp", "gtp")
+_EXPERT_AXES = ("etp", "egtp", "ep", "edp", "pp")
 
 
 class RebuiltParam:
@@ -288,6 +289,21 @@ def _check_full_shape(where: str, header: RankHeader, record: ParamRecord) -> No
             )
 
 
+def _check_places(first: RankFile, world_size: int) -> None:
+    """The axes of each family must not describe more places than the job has ranks: such
+    coordinates would merge ranks as replicas that are not (a dp size with GTP folded in)."""
+    coords = first.header.coords
+    for family in (_DENSE_AXES, _EXPERT_AXES):
+        places = math.prod(coords[axis][1] for axis in family)
+        if places > world_size:
+            sizes = " x ".join(f"{axis} {coords[axis][1]}" for axis in family)
+            raise SnapshotError(
+                f"{first.path}: the coordinates describe {places} places ({sizes}) but the "
+                f"snapshot has {world_size} ranks (a data-parallel size that includes GTP or CP "
+                "ranks?)"
+            )
+
+
 def _check_whole(folder: Path, files: list[RankFile]) -> None:
     first = files[0]
     for file in files[1:]:
@@ -319,6 +335,7 @@ def _check_whole(folder: Path, files: list[RankFile]) -> None:
                 f"{first.path}: axis {axis} has size {size}, larger than the world size "
                 f"{world_size}"
             )
+    _check_places(first, world_size)
     by_rank: dict[int, RankFile] = {}
     places: dict[tuple[int, ...], RankFile] = {}
     for file in files:
