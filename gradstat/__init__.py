@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     )
     from .errors import GradstatError
     from .groups import AxisPlace
+    from .recorder import Recorder
 
 _LAZY = {
     "GradNorm": "clip_grads",
@@ -42,12 +43,14 @@ _LAZY = {
     "total_zeros": "clip_grads",
     "GradstatError": "errors",
     "AxisPlace": "groups",
+    "Recorder": "recorder",
 }
 
 __all__ = [
     "AxisPlace",
     "GradNorm",
     "GradstatError",
+    "Recorder",
     "__version__",
     "clip_grad_by_total_norm_fp32",
     "count_zeros_fp32",

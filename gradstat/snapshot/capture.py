@@ -218,6 +218,7 @@ def dump_rank(
     coords: Mapping[str, Sequence[int]] | None = None,
     mesh: Any = None,
     overwrite: bool = False,
+    triggers: Sequence[str] = (),
 ) -> Path:
     """Dump this rank of a live job: coordinates and names worked out, then :func:`save_rank`.
 
@@ -238,6 +239,7 @@ def dump_rank(
         coords: ``{axis: [rank_on_axis, axis_size]}``, overriding what is discovered.
         mesh: a DeviceMesh whose dimension names are gradstat axes.
         overwrite: replace an existing rank file.
+        triggers: why the snapshot was taken, recorded in it (the flight recorder's triggers).
 
     Returns:
         The rank file's path.
@@ -277,4 +279,5 @@ def dump_rank(
         distributed_optimizer=distributed_optimizer,
         step=step,
         overwrite=overwrite,
+        triggers=triggers,
     )

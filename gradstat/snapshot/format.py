@@ -182,22 +182,24 @@ class RankHeader:
     grad_attr: str
     params: tuple[ParamRecord, ...]
     version: int = FORMAT_VERSION
+    # Why the snapshot was taken, when a flight recorder took it ("nonfinite", "spike", ...).
+    triggers: tuple[str, ...] = ()
 
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "format": FORMAT_NAME,
-                "version": self.version,
-                "rank": self.rank,
-                "world_size": self.world_size,
-                "step": self.step,
-                "coords": {axis: list(place) for axis, place in self.coords.items()},
-                "distributed_optimizer": self.distributed_optimizer,
-                "grad_attr": self.grad_attr,
-                "params": [_param_to_json(record) for record in self.params],
-            },
-            separators=(",", ":"),
-        )
+        document: dict[str, Any] = {
+            "format": FORMAT_NAME,
+            "version": self.version,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "step": self.step,
+            "coords": {axis: list(place) for axis, place in self.coords.items()},
+            "distributed_optimizer": self.distributed_optimizer,
+            "grad_attr": self.grad_attr,
+            "params": [_param_to_json(record) for record in self.params],
+        }
+        if self.triggers:
+            document["triggers"] = list(self.triggers)
+        return json.dumps(document, separators=(",", ":"))
 
 
 def _param_to_json(record: ParamRecord) -> dict[str, Any]:
@@ -319,6 +321,9 @@ def parse_header(path: Path, text: str) -> RankHeader:
         if record.name in names:
             raise top.fail(f"parameter {record.name!r} is listed twice")
         names.add(record.name)
+    triggers = top.get("triggers", list, optional=True) or []
+    if not all(isinstance(trigger, str) for trigger in triggers):
+        raise top.fail("triggers must be a list of strings")
     return RankHeader(
         rank=rank,
         world_size=world_size,
@@ -328,6 +333,7 @@ def parse_header(path: Path, text: str) -> RankHeader:
         grad_attr=grad_attr,
         params=params,
         version=version,
+        triggers=tuple(triggers),
     )
 
 

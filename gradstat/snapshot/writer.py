@@ -101,6 +101,7 @@ def save_rank(
     distributed_optimizer: bool = False,
     step: int | None = None,
     overwrite: bool = False,
+    triggers: Sequence[str] = (),
 ) -> Path:
     """Write this rank's gradients and their attributes as one safetensors file.
 
@@ -119,6 +120,7 @@ def save_rank(
         distributed_optimizer: the params are the distributed optimizer's fragments.
         step: the training step, recorded for the reader to check.
         overwrite: replace an existing file of this rank.
+        triggers: why the snapshot was taken (the flight recorder's triggers), recorded.
 
     Returns:
         The rank file's path.
@@ -150,6 +152,7 @@ def save_rank(
         distributed_optimizer=distributed_optimizer,
         grad_attr=grad_attr,
         params=tuple(records),
+        triggers=tuple(triggers),
     )
     folder = Path(directory)
     created = _make_directories(folder)

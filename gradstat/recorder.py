@@ -1,0 +1,271 @@
+"""A flight recorder for the training loop: the exact global norm every step, a full snapshot
+when a step goes wrong.
+
+Two lines in a loop, after backward and before the optimizer step::
+
+    recorder = gradstat.Recorder(model, "dumps/", spike=10.0, keep=3)
+    ...
+    norm = recorder.step(step)  # the exact global norm; clip with it if you like
+
+Every step the recorder computes the norm with gradstat's core (:func:`gradstat.total_norm` for
+torch-native jobs; in a live Megatron job, Megatron's selection and
+:func:`gradstat.get_grad_norm_fp32` over its model-parallel group), checks its triggers, and all
+ranks agree on them with one all-reduce of four integers, so a snapshot is never partial because
+one rank decided otherwise. When a trigger fires, every rank dumps its gradients
+(:func:`gradstat.snapshot.dump_rank`) into ``.step-N.partial/``; rank 0 waits a bounded time for
+all rank files and renames the directory to ``step-N``. A snapshot that is still ``.partial``
+(a rank was killed, the disk is too slow) never reads as complete: its rank files are missing,
+and ``gradstat history`` skips it. Rank 0 keeps the ``keep`` newest complete snapshots.
+
+Triggers, each named in the snapshot's metadata: ``nonfinite`` (the norm is NaN or inf),
+``spike`` (the norm is above ``spike`` times the median of the last ``window`` finite norms),
+``step`` (a step the user listed), ``every`` (every N steps).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import statistics
+import sys
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .clip_grads import check_norm_type, get_grad_norm_fp32, total_norm
+from .errors import GradstatError
+from .groups import stats_device
+from .predicates import (
+    param_is_not_gtp_duplicate,
+    param_is_not_shared,
+    param_is_not_tensor_parallel_duplicate,
+)
+from .snapshot.capture import dump_rank, named_gradients
+from .snapshot.format import FILE_PATTERN
+
+__all__ = ["TRIGGERS", "Recorder", "StepRecord", "complete_snapshots"]
+
+TRIGGERS = ("nonfinite", "spike", "step", "every")
+_COMPLETE = re.compile(r"^step-(\d+)$")
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What the recorder saw at one step."""
+
+    step: int
+    norm: float
+    triggers: tuple[str, ...]
+    snapshot: Path | None  # where the step's snapshot lands (None: no trigger, or skipped)
+
+
+def complete_snapshots(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """The recorder's complete snapshots under ``directory`` as (step, path), oldest first."""
+    found = []
+    for path in Path(directory).iterdir():
+        match = _COMPLETE.match(path.name)
+        if match and path.is_dir():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def _megatron_live() -> Any:
+    state = sys.modules.get("megatron.core.parallel_state")
+    if state is not None and state.model_parallel_is_initialized():
+        return state
+    return None
+
+
+def _counts_in_megatron(param: Any) -> bool:
+    """Megatron's optimizer's filters, with its groups read from its parallel_state."""
+    return (
+        param_is_not_shared(param)
+        and param_is_not_tensor_parallel_duplicate(param)
+        and param_is_not_gtp_duplicate(param)
+    )
+
+
+def _warn(message: str) -> None:
+    print(f"gradstat recorder: {message}", file=sys.stderr, flush=True)
+
+
+class Recorder:
+    """Records the global gradient norm every step and dumps a snapshot when a trigger fires.
+
+    Args:
+        model: a module, a list of model chunks, or ``(name, param)`` pairs (for the
+            distributed optimizer, its fragments with their names).
+        directory: where the snapshots go, the same on every rank (``step-N`` inside).
+        norm_type: 2, 1, ``math.inf`` or any finite p > 0.
+        spike: dump when the norm exceeds this many times the running median (None: never).
+        window: how many recent finite norms the median looks at.
+        warmup: finite norms needed before ``spike`` can fire.
+        steps: steps to dump whatever the norm.
+        every: dump every this many steps (None: never).
+        keep: complete snapshots kept on disk, the oldest deleted first (>= 1).
+        group: the group the norm is reduced over. None: Megatron's model-parallel group in a
+            live Megatron job, else the torch-native default (see :func:`gradstat.total_norm`).
+        grad_attr: "grad", "main_grad" or "decoupled_grad"; None: "main_grad" when any
+            parameter has one (Megatron's DDP), else "grad".
+        distributed_optimizer: the gradients are the distributed optimizer's fragments.
+        coords: coordinates for :func:`gradstat.snapshot.dump_rank`, when it cannot find them.
+        mesh: a DeviceMesh for :func:`gradstat.snapshot.dump_rank`.
+        finalize_timeout_s: how long rank 0 waits for the other ranks' files before leaving
+            the snapshot incomplete with a one-line warning.
+
+    Raises:
+        ValueError: bad arguments.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module | Sequence[torch.nn.Module] | Iterable[tuple[str, Any]],
+        directory: str | os.PathLike[str],
+        *,
+        norm_type: float = 2.0,
+        spike: float | None = 10.0,
+        window: int = 20,
+        warmup: int = 5,
+        steps: Iterable[int] = (),
+        every: int | None = None,
+        keep: int = 3,
+        group: dist.ProcessGroup | None = None,
+        grad_attr: str | None = None,
+        distributed_optimizer: bool = False,
+        coords: Mapping[str, Sequence[int]] | None = None,
+        mesh: Any = None,
+        finalize_timeout_s: float = 60.0,
+    ) -> None:
+        if spike is not None and not spike > 1.0:
+            raise ValueError(f"spike must be a factor > 1, got {spike!r}")
+        if window < 1 or warmup < 1 or keep < 1 or (every is not None and every < 1):
+            raise ValueError("window, warmup, keep and every must be >= 1")
+        if not finalize_timeout_s > 0:
+            raise ValueError(f"finalize_timeout_s must be > 0, got {finalize_timeout_s!r}")
+        self.pairs = named_gradients(model)
+        self.directory = Path(directory)
+        self.norm_type = check_norm_type(norm_type)
+        self.spike, self.warmup = spike, warmup
+        self.steps, self.every, self.keep = frozenset(steps), every, keep
+        self.group = group
+        has_main = any(getattr(param, "main_grad", None) is not None for _, param in self.pairs)
+        self.grad_attr = grad_attr or ("main_grad" if has_main else "grad")
+        self.distributed_optimizer = distributed_optimizer
+        self.coords, self.mesh = coords, mesh
+        self.finalize_timeout_s = finalize_timeout_s
+        self.history: deque[float] = deque(maxlen=window)
+        self.records: list[StepRecord] = []
+
+    def norm(self) -> float:
+        """The global norm of the gradients as they are now (a collective: every rank calls)."""
+        params = [param for _, param in self.pairs]
+        megatron = _megatron_live()
+        if megatron is None:
+            if self.grad_attr == "grad":
+                return total_norm(params, self.norm_type, group=self.group)
+            held = [getattr(param, self.grad_attr, None) for param in params]
+            present = [grad for grad in held if grad is not None]
+            return total_norm(present, self.norm_type, group=self.group)
+        # Megatron: the gradients its optimizer counts, reduced over its model-parallel group
+        # (a replica of the data-parallel axis holds the same numbers).
+        grads: list[torch.Tensor] = [
+            getattr(param, self.grad_attr)
+            for param in params
+            if getattr(param, self.grad_attr, None) is not None and _counts_in_megatron(param)
+        ]
+        group = self.group
+        if group is None:
+            group = (
+                dist.group.WORLD
+                if self.distributed_optimizer
+                else megatron.get_model_parallel_group()
+            )
+        return get_grad_norm_fp32(grads, self.norm_type, group)
+
+    def step(self, step: int | torch.Tensor) -> float:
+        """Record ``step``: compute the norm, check the triggers, dump if one fires.
+
+        Call it on every rank after backward (and the gradient reduction) and before the
+        optimizer step. Returns the norm, the same on every rank, which the loop may clip with.
+        """
+        number = int(step.item()) if isinstance(step, torch.Tensor) else int(step)
+        norm = self.norm()
+        wanted = self._agree(self._triggers(number, norm))
+        triggers = tuple(name for name, on in zip(TRIGGERS, wanted, strict=True) if on)
+        if math.isfinite(norm):
+            self.history.append(norm)
+        snapshot = self._dump(number, triggers) if triggers else None
+        self.records.append(StepRecord(number, norm, triggers, snapshot))
+        return norm
+
+    def _triggers(self, step: int, norm: float) -> list[bool]:
+        spiked = False
+        if self.spike is not None and len(self.history) >= self.warmup and math.isfinite(norm):
+            spiked = norm > self.spike * statistics.median(self.history)
+        every = self.every is not None and step % self.every == 0
+        return [not math.isfinite(norm), spiked, step in self.steps, every]
+
+    def _agree(self, flags: list[bool]) -> list[bool]:
+        """Every rank takes a trigger any rank saw: one all-reduce of four integers."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return flags
+        device = stats_device([], None)
+        tensor = torch.tensor([int(flag) for flag in flags], dtype=torch.int64, device=device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return [bool(value) for value in tensor.tolist()]
+
+    def _dump(self, step: int, triggers: tuple[str, ...]) -> Path | None:
+        final = self.directory / f"step-{step:08d}"
+        partial = self.directory / f".step-{step:08d}.partial"
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        try:
+            path = dump_rank(
+                partial,
+                self.pairs,
+                step=step,
+                grad_attr=self.grad_attr,
+                distributed_optimizer=self.distributed_optimizer,
+                coords=self.coords,
+                mesh=self.mesh,
+                triggers=triggers,
+            )
+        except (GradstatError, OSError, ValueError) as error:
+            _warn(f"step {step}: rank {rank} could not dump ({error}); training goes on")
+            return None
+        if rank != 0:
+            return final
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        if not self._wait_for_all(partial, world_size, path):
+            return None
+        os.replace(partial, final)
+        self._retain()
+        return final
+
+    def _wait_for_all(self, partial: Path, world_size: int, mine: Path) -> bool:
+        deadline = time.monotonic() + self.finalize_timeout_s
+        expected = [partial / FILE_PATTERN.format(rank=rank) for rank in range(world_size)]
+        while True:
+            present = sum(path.exists() for path in expected)
+            if present == world_size:
+                return True
+            if time.monotonic() >= deadline:
+                _warn(
+                    f"{partial}: {present} of {world_size} rank files after "
+                    f"{self.finalize_timeout_s:g} s; the snapshot stays incomplete "
+                    f"(a rank was lost, or the disk is slow); training goes on"
+                )
+                return False
+            time.sleep(0.05)
+
+    def _retain(self) -> None:
+        complete = complete_snapshots(self.directory)
+        for _, path in complete[: max(0, len(complete) - self.keep)]:
+            shutil.rmtree(path, ignore_errors=True)
