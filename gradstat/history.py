@@ -1,0 +1,233 @@
+"""History across the snapshots of one run: per-parameter norms and zero counts over steps, and
+the step where each parameter first jumped.
+
+The snapshots are the directories under a root that hold rank files (the flight recorder's
+``step-N``, or any other); hidden ones (``.step-N.partial``, still being written or left by a
+lost rank) are skipped. They are read one at a time, in step order, each once: what is kept is
+a few numbers per parameter and snapshot.
+
+A parameter jumps at the first snapshot where its norm is non-finite, or more than ``factor``
+times the median of its earlier finite norms, or its zero count moved by more than
+``zeros_change`` of its elements since the snapshot before.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from .analysis import snapshot_stats
+from .errors import SnapshotError
+from .render import visible
+from .report import json_number
+from .snapshot.reader import Snapshot
+
+__all__ = [
+    "History",
+    "ParamSeries",
+    "find_snapshots",
+    "print_history",
+    "read_history",
+    "sparkline",
+]
+
+_BARS = "▁▂▃▄▅▆▇█"
+
+
+def find_snapshots(root: Path) -> list[Path]:
+    """The snapshot directories under ``root`` (not hidden, holding rank files), by name."""
+    if not root.is_dir():
+        raise SnapshotError(f"{root}: no such directory")
+    found = [
+        path
+        for path in sorted(root.iterdir())
+        if path.is_dir()
+        and not path.name.startswith(".")
+        and any(child.name.endswith(".safetensors") for child in path.iterdir())
+    ]
+    if not found:
+        raise SnapshotError(f"{root}: no snapshot directories (with *.safetensors) inside")
+    return found
+
+
+@dataclass
+class ParamSeries:
+    """One parameter over the snapshots: its norm and zero count at each step."""
+
+    name: str
+    numel: int
+    norms: list[float] = field(default_factory=list)
+    zeros: list[int] = field(default_factory=list)
+    jump_step: int | None = None
+    jump_kind: str | None = None  # "nonfinite", "norm" or "zeros"
+
+
+@dataclass
+class History:
+    """Steps, total norms and zero counts, and every parameter's series, in step order."""
+
+    norm_type: float
+    steps: list[int] = field(default_factory=list)
+    paths: list[Path] = field(default_factory=list)
+    totals: list[float] = field(default_factory=list)
+    total_zeros: list[int] = field(default_factory=list)
+    params: dict[str, ParamSeries] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "norm_type": self.norm_type,
+            "snapshots": [
+                {
+                    "path": str(path),
+                    "step": step,
+                    "total_norm": json_number(total),
+                    "num_zeros": zeros,
+                }
+                for path, step, total, zeros in zip(
+                    self.paths, self.steps, self.totals, self.total_zeros, strict=True
+                )
+            ],
+            "params": [
+                {
+                    "name": series.name,
+                    "num_elements": series.numel,
+                    "norms": [json_number(norm) for norm in series.norms],
+                    "num_zeros": series.zeros,
+                    "first_jump": None
+                    if series.jump_step is None
+                    else {"step": series.jump_step, "kind": series.jump_kind},
+                }
+                for series in self.params.values()
+            ],
+        }
+
+
+def _step_of(snapshot: Snapshot, index: int) -> int:
+    step = snapshot.files[0].header.step
+    return index if step is None else step
+
+
+def read_history(
+    root: Path,
+    norm_type: float = 2.0,
+    *,
+    factor: float = 10.0,
+    zeros_change: float = 0.1,
+    on_snapshot: Callable[[Path], None] | None = None,
+) -> History:
+    """Read every snapshot under ``root`` once, in step order, and find each parameter's jump.
+
+    Raises:
+        SnapshotError: no snapshots, a bad snapshot (named), two snapshots of the same step.
+    """
+    opened = []
+    for index, path in enumerate(find_snapshots(root)):
+        snapshot = Snapshot.open(path)
+        opened.append((_step_of(snapshot, index), path, snapshot))
+    opened.sort(key=lambda entry: entry[0])
+    for (step, path, _), (other, earlier, _) in zip(opened[1:], opened, strict=False):
+        if step == other:
+            raise SnapshotError(f"{path}: step {step} is also the step of {earlier}")
+    history = History(norm_type)
+    for step, path, snapshot in opened:
+        stats = snapshot_stats(snapshot, (norm_type,))
+        history.steps.append(step)
+        history.paths.append(path)
+        history.totals.append(stats.norm(norm_type))
+        history.total_zeros.append(stats.zeros)
+        for param in stats.params:
+            series = history.params.setdefault(param.name, ParamSeries(param.name, param.numel))
+            _extend(series, step, param.norm(norm_type), param.zeros, factor, zeros_change)
+        if on_snapshot is not None:
+            on_snapshot(path)
+    return history
+
+
+def _extend(
+    series: ParamSeries, step: int, norm: float, zeros: int, factor: float, zeros_change: float
+) -> None:
+    if series.jump_step is None:
+        kind = None
+        earlier = [value for value in series.norms if math.isfinite(value)]
+        if not math.isfinite(norm):
+            kind = "nonfinite"
+        elif earlier and norm > factor * statistics.median(earlier):
+            kind = "norm"
+        elif series.zeros and abs(zeros - series.zeros[-1]) > zeros_change * series.numel:
+            kind = "zeros"
+        if kind is not None:
+            series.jump_step, series.jump_kind = step, kind
+    series.norms.append(norm)
+    series.zeros.append(zeros)
+
+
+def sparkline(values: Iterable[float]) -> str:
+    """One character per value, scaled between the finite minimum and maximum; '!' for NaN or
+    inf. On a log scale when the values span more than two decades."""
+    values = list(values)
+    finite = [value for value in values if math.isfinite(value)]
+    if not finite:
+        return "!" * len(values)
+    logarithmic = min(finite) > 0 and max(finite) > 100 * min(finite)
+
+    def scaled(value: float) -> float:
+        return math.log10(value) if logarithmic else value
+
+    low, high = scaled(min(finite)), scaled(max(finite))
+    span = high - low
+    chars = []
+    for value in values:
+        if not math.isfinite(value):
+            chars.append("!")
+        else:
+            level = 0 if span == 0 else round((scaled(value) - low) / span * (len(_BARS) - 1))
+            chars.append(_BARS[level])
+    return "".join(chars)
+
+
+def _number(value: float) -> str:
+    return f"{value:.6g}" if math.isfinite(value) else f"[bold red]{value}[/]"
+
+
+def print_history(console: Console, history: History, top: int | None = 20) -> None:
+    """The total norm as a sparkline, then the parameters that jumped (earliest first) and the
+    largest of the rest, each with its own sparkline."""
+    totals = history.totals
+    finite = [value for value in totals if math.isfinite(value)]
+    span = f"{min(finite):.6g} .. {max(finite):.6g}" if finite else "no finite norm"
+    console.print(
+        f"{len(history.steps)} snapshots, steps {history.steps[0]} .. {history.steps[-1]}; "
+        f"total norm ({span}): {sparkline(totals)}"
+    )
+    rows = sorted(
+        history.params.values(),
+        key=lambda series: (
+            series.jump_step is None,
+            series.jump_step if series.jump_step is not None else 0,
+            -max((norm for norm in series.norms if math.isfinite(norm)), default=0.0),
+        ),
+    )
+    table = Table(title="per parameter, in step order")
+    for column in ("parameter", "first jump", "first norm", "last norm", "norm over steps"):
+        table.add_column(column, justify="left" if column == "parameter" else "right")
+    shown = rows if top is None else rows[:top]
+    for series in shown:
+        jump = "" if series.jump_step is None else f"{series.jump_kind} at {series.jump_step}"
+        table.add_row(
+            escape(visible(series.name)),
+            jump,
+            _number(series.norms[0]),
+            _number(series.norms[-1]),
+            sparkline(series.norms),
+        )
+    console.print(table)
+    if len(rows) > len(shown):
+        console.print(f"{len(rows) - len(shown)} more parameters (--top, or --json for all)")

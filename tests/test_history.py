@@ -1,0 +1,86 @@
+"""History across the snapshots of one run: series against float64, the first jump of each
+parameter, incomplete snapshots skipped."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import gradstat
+from gradstat.errors import SnapshotError
+from gradstat.history import read_history, sparkline
+from tests._oracle import float64_norm, zeros_in
+
+SPIKE_AT, ZEROED_AT, NAN_AT, STEPS = 5, 8, 10, 11
+
+
+def _run(root: Path) -> dict[int, dict[str, torch.Tensor]]:
+    """A loop dumping every step: the first layer's weight spikes at SPIKE_AT, the second's
+    bias goes all zero at ZEROED_AT, the last weight gets a NaN at NAN_AT."""
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    recorder = gradstat.Recorder(model, root, every=1, keep=100, spike=None)
+    inputs = torch.randn(16, 6)
+    seen = {}
+    for step in range(1, STEPS + 1):
+        model.zero_grad()
+        model(inputs).square().mean().backward()
+        grads = dict(model.named_parameters())
+        if step == SPIKE_AT:
+            grads["0.weight"].grad.mul_(1000.0)
+        if step >= ZEROED_AT:
+            grads["2.bias"].grad.zero_()
+        if step == NAN_AT:
+            grads["2.weight"].grad[0, 0] = math.nan
+        recorder.step(step)
+        seen[step] = {name: param.grad.clone() for name, param in grads.items()}
+    return seen
+
+
+def test_series_and_first_jumps(tmp_path: Path) -> None:
+    seen = _run(tmp_path)
+    # A snapshot left incomplete (hidden) is skipped, not read as a step.
+    shutil.copytree(tmp_path / "step-00000003", tmp_path / ".step-00000012.partial")
+    history = read_history(tmp_path)
+    assert history.steps == list(range(1, STEPS + 1))
+    for index, step in enumerate(history.steps):
+        for name, grad in seen[step].items():
+            series = history.params[name]
+            expected = float64_norm([grad], 2)
+            if math.isnan(expected):
+                assert math.isnan(series.norms[index])
+            else:
+                assert math.isclose(series.norms[index], expected, rel_tol=1e-7)
+            assert series.zeros[index] == zeros_in([grad])
+    jumps = {name: (s.jump_step, s.jump_kind) for name, s in history.params.items()}
+    assert jumps["0.weight"] == (SPIKE_AT, "norm")
+    assert jumps["2.bias"][0] == ZEROED_AT and jumps["2.bias"][1] in ("zeros", "norm")
+    assert jumps["2.weight"] == (NAN_AT, "nonfinite")
+    assert jumps["0.bias"] == (None, None)
+    document = json.loads(json.dumps(history.to_json(), allow_nan=False))
+    assert document["snapshots"][NAN_AT - 1]["total_norm"] == "nan"
+    assert len(document["params"]) == 4
+
+
+def test_two_snapshots_of_one_step_are_refused(tmp_path: Path) -> None:
+    _run(tmp_path)
+    shutil.copytree(tmp_path / "step-00000003", tmp_path / "copy-of-3")
+    with pytest.raises(SnapshotError, match="step 3 is also the step of"):
+        read_history(tmp_path)
+
+
+def test_no_snapshots_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(SnapshotError, match="no snapshot directories"):
+        read_history(tmp_path)
+
+
+def test_sparkline() -> None:
+    assert sparkline([1.0, 2.0, 3.0]) == "▁▅█"
+    assert sparkline([1.0, math.nan, 1.0]) == "▁!▁"
+    assert sparkline([1.0, 1000.0, 10.0])[1] == "█"  # log scale past two decades
+    assert sparkline([]) == ""
