@@ -22,6 +22,7 @@ from gradstat.recorder import complete_snapshots
 from tests import _layouts, _torch_native
 from tests._layouts import Case, Layout, launch
 from tests._oracle import float64_norm, rel_err
+from tests.test_torch_native import recipe
 
 NAN_STEP, SPIKE_STEP, STEPS = 7, 12, 14
 
@@ -108,8 +109,10 @@ def test_bad_arguments_are_refused() -> None:
 
 
 def _fsdp2_loop(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    """The README's recorder recipes in an FSDP2 loop."""
     model, _mesh = _torch_native.build("fsdp2")
-    recorder = gradstat.Recorder(model, directory, keep=3)
+    namespace: dict[str, Any] = {"model": model, "directory": directory}
+    exec(recipe("recorder_setup"), namespace)
     norms, expected = {}, {}
     for step in range(1, STEPS + 1):
         model.zero_grad()
@@ -117,11 +120,13 @@ def _fsdp2_loop(rank: int, world_size: int, directory: str) -> dict[str, Any]:
         local = [param.grad.to_local() for param in model.parameters()]
         if step != NAN_STEP or rank == 0:  # the NaN lands on one rank's shard only
             _plant(local, step)
-        norms[step] = recorder.step(step)
+        exec(recipe("recorder_step"), namespace | {"step": step})
+        norms[step] = namespace["recorder"].records[-1].norm
         full = _torch_native.full_gradients(model)
         expected[step] = float64_norm(list(full.values()), 2)
-    records = [(r.step, r.triggers, str(r.snapshot)) for r in recorder.records if r.triggers]
-    return {"norms": norms, "expected": expected, "records": records}
+    records = namespace["recorder"].records
+    fired = [(r.step, r.triggers, str(r.snapshot)) for r in records if r.triggers]
+    return {"norms": norms, "expected": expected, "records": fired}
 
 
 def test_fsdp2_loop_catches_the_nan_and_the_spike(tmp_path: Path) -> None:
@@ -192,12 +197,17 @@ def _megatron_loop(rank: int, world_size: int, directory: str) -> dict[str, Any]
     try:
         params = _layouts.local_params(LAYOUT, megatron_view(LAYOUT))
         named = [(param._gradstat_name, param) for param in params]
-        recorder = gradstat.Recorder(named, directory, steps=[2], spike=None)
+        namespace: dict[str, Any] = {"model": named, "directory": directory}
+        # The README's setup, with a listed step instead of the spike trigger.
+        setup = recipe("recorder_setup").replace("spike=10.0, keep=3", "steps=[2], spike=None")
+        exec(setup, namespace)
+        recorder = namespace["recorder"]
         norms = {}
         for step in (1, 2, 3):
             for param in params:
                 param.grad.mul_(2.0**step)  # a power of two: the scaled fp32 values are exact
-            norms[step] = recorder.step(step)
+            exec(recipe("recorder_step"), namespace | {"step": step})
+            norms[step] = recorder.records[-1].norm
             for param in params:
                 param.grad.div_(2.0**step)
         return {"norms": norms, "triggers": [r.triggers for r in recorder.records]}
