@@ -177,7 +177,10 @@ def main() -> int:
             f"| peak RSS above an idle process ({base / gib:.2f} GiB) | "
             f"{(ours_rss - base) / gib:.2f} GiB | {(peer_rss - base) / gib:.2f} GiB | |"
         )
-        print(f"\nsnapshot size {size / gib:.2f} GiB; targets (issue 12): norm/zeros <= 1.15x, audit <= 1.2x, compare <= 1.5x x2 (two snapshots); RSS near the peer's")
+        print(
+            f"\nsnapshot size {size / gib:.2f} GiB; targets (issue 12): norm/zeros <= 1.15x, "
+            "audit <= 1.2x, compare <= 1.5x x2 (it reads two snapshots); RSS near the peer's"
+        )
     finally:
         if temporary:
             shutil.rmtree(directory, ignore_errors=True)
