@@ -6,10 +6,11 @@ which pipeline stage, which expert, whether GTP shards it, which weight it is a 
 ``(name, param)`` pairs, each param carrying Megatron's attributes and its local gradient as
 ``.grad``. ``write_snapshot`` saves them as a gradstat snapshot, one file per rank.
 
-Rank order follows Megatron's (``tp-cp-ep-dp-pp``), with GTP next to TP: dense ranks tp
-(fastest), gtp, cp, dp, pp; each stage's ranks regroup for experts as etp (fastest), egtp, ep,
-edp, so expert data parallelism takes in the context-parallel ranks, as Megatron's expert
-groups do.
+Rank order follows Megatron's: ``tp-cp-ep-dp-pp``, with GTP injected after ep
+(``tp-cp-ep-gtp_remat-dp-pp``, megatron-core 0.19): dense ranks tp (fastest), cp, gtp, dp, pp;
+each stage's ranks regroup for experts as etp (fastest), ep, egtp, edp, so expert data
+parallelism takes in the context-parallel ranks, as Megatron's expert groups do
+(scripts/megatron_parity_latest.sh checks the coordinates against Megatron's own).
 
 Slicing rules (what Megatron does, reduced to what the statistics depend on):
 
@@ -120,11 +121,11 @@ class Layout:
         if not 0 <= rank < self.world_size:
             raise LayoutError(f"rank {rank} is outside world size {self.world_size}")
         dense = _unravel(
-            rank, (("tp", self.tp), ("gtp", self.gtp), ("cp", self.cp), ("dp", self.dp))
+            rank, (("tp", self.tp), ("cp", self.cp), ("gtp", self.gtp), ("dp", self.dp))
         )
         expert = _unravel(
             rank % self.stage_size,
-            (("etp", self.etp), ("egtp", self.egtp), ("ep", self.ep), ("edp", self.edp)),
+            (("etp", self.etp), ("ep", self.ep), ("egtp", self.egtp), ("edp", self.edp)),
         )
         return dense | expert | {"pp": (rank // self.stage_size, self.pp)}
 

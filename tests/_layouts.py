@@ -317,9 +317,9 @@ def oracle_grads(moe: bool) -> dict[str, list[Tensor]]:
 class Layout:
     """A Megatron parallel layout of the model.
 
-    Dense ranks are ordered tp (fastest), gtp, cp, dp, pp (Megatron's tp-cp-dp-pp); expert
-    ranks regroup each stage's ranks as etp (fastest), egtp, ep, edp, the expert data-parallel
-    ranks taking in the context-parallel ones. CP ranks hold the same gradients (all-reduced
+    Dense ranks are ordered tp (fastest), cp, gtp, dp, pp (Megatron's tp-cp-ep-gtp_remat-dp-pp
+    without ep); expert ranks regroup each stage's ranks as etp (fastest), ep, egtp, edp, the
+    expert data-parallel ranks taking in the context-parallel ones. CP ranks hold the same gradients (all-reduced
     over DP x CP); the distributed optimizer shards over DP x CP, cp the faster. The last three
     fields break the layout on purpose (negative controls): the tied output copy loses
     ``shared``, fragments are stamped with 0 padding, or the plain optimizer's statistics are
@@ -357,7 +357,7 @@ class Layout:
         """Axes fastest first; cp only when it is split (layouts without CP keep the
         coordinates they always had)."""
         cp = [("cp", self.cp)] if self.cp > 1 else []
-        return [("tp", self.tp), ("gtp", self.gtp), *cp, ("dp", self.dp), ("pp", self.pp)]
+        return [("tp", self.tp), *cp, ("gtp", self.gtp), ("dp", self.dp), ("pp", self.pp)]
 
     def dp_cp_place(self, dense: dict[str, int]) -> tuple[int, int]:
         """(rank, size) among the ranks the distributed optimizer shards dense params over."""
@@ -366,8 +366,8 @@ class Layout:
     def expert_axes(self) -> list[tuple[str, int]]:
         return [
             ("etp", self.etp),
-            ("egtp", self.egtp),
             ("ep", self.ep),
+            ("egtp", self.egtp),
             ("edp", self.edp),
             ("pp", self.pp),
         ]

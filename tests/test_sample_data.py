@@ -254,9 +254,11 @@ def test_gtp_layout_has_padding_spilling_into_a_lower_rank(generated: Path) -> N
 def test_layout_rank_order_and_errors() -> None:
     layout = Layout(tp=2, gtp=2, dp=2, pp=2, ep=2, egtp=2)
     assert (layout.world_size, layout.edp) == (16, 2)
-    coords = layout.coords(13)  # stage 1, stage rank 5: tp 1, gtp 0, dp 1; egtp 1, ep 0, edp 1
+    # Stage 1, stage rank 5: tp 1, gtp 0, dp 1; ep 1, egtp 0, edp 1 (megatron-core 0.19's
+    # expert order etp-ep-egtp-edp, read off its parallel_state by the parity script).
+    coords = layout.coords(13)
     assert coords["pp"] == (1, 2) and coords["tp"] == (1, 2) and coords["gtp"] == (0, 2)
-    assert coords["dp"] == (1, 2) and coords["egtp"] == (1, 2) and coords["ep"] == (0, 2)
+    assert coords["dp"] == (1, 2) and coords["egtp"] == (0, 2) and coords["ep"] == (1, 2)
     assert coords["edp"] == (1, 2) and coords["etp"] == (0, 1) and coords["cp"] == (0, 1)
     with pytest.raises(LayoutError, match="cannot be regrouped"):
         Layout(tp=2, ep=4)
