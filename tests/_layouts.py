@@ -319,8 +319,9 @@ class Layout:
 
     Dense ranks are ordered tp (fastest), cp, gtp, dp, pp (Megatron's tp-cp-ep-gtp_remat-dp-pp
     without ep); expert ranks regroup each stage's ranks as etp (fastest), ep, egtp, edp, the
-    expert data-parallel ranks taking in the context-parallel ones. CP ranks hold the same gradients (all-reduced
-    over DP x CP); the distributed optimizer shards over DP x CP, cp the faster. The last three
+    expert data-parallel ranks taking in the context-parallel ones. CP ranks hold the same
+    gradients (all-reduced over DP x CP); the distributed optimizer shards over DP x CP, cp the
+    faster. The last three
     fields break the layout on purpose (negative controls): the tied output copy loses
     ``shared``, fragments are stamped with 0 padding, or the plain optimizer's statistics are
     also summed over the CP ranks.
