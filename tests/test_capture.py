@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from gradstat import AxisPlace
 from gradstat.analysis import snapshot_stats
 from gradstat.errors import SnapshotError
 from gradstat.snapshot import Snapshot, dump_rank
@@ -98,17 +99,6 @@ def test_coordinates_from_megatron_parallel_state(
     assert header["coords"]["tp"] == [1, 2] and header["coords"]["gtp"] == [1, 2]
 
 
-class _Group:
-    def __init__(self, rank: int, size: int) -> None:
-        self._rank, self._size = rank, size
-
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return self._size
-
-
 def _gtp_parallel_state() -> types.ModuleType:
     """A parallel_state with GTP (megatron-core 0.17+): rank 5 of TP=1 x GTP=2 x DP=2 x PP=2,
     whose data-parallel getters fold GTP in unless told ``with_gtp_remat=False``."""
@@ -126,7 +116,7 @@ def _gtp_parallel_state() -> types.ModuleType:
 
     state.get_data_parallel_rank = dp_rank_fn  # type: ignore[attr-defined]
     state.get_data_parallel_world_size = dp_size_fn  # type: ignore[attr-defined]
-    state.get_gtp_weight_remat_group = lambda: _Group(gtp_rank, 2)  # type: ignore[attr-defined]
+    state.get_gtp_weight_remat_group = lambda: AxisPlace(gtp_rank, 2)  # type: ignore[attr-defined]
     state.get_expert_gtp_weight_remat_group = no_expert_gtp  # type: ignore[attr-defined]
     return state
 
