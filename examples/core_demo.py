@@ -12,15 +12,19 @@ from __future__ import annotations
 import math
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from rich.console import Console
-from rich.table import Table
+# torch without numpy warns at import, here and in each spawned rank; the demo needs no numpy.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
-from gradstat import count_zeros_fp32, get_grad_norm_fp32, grads_for_norm
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from gradstat import count_zeros_fp32, get_grad_norm_fp32, grads_for_norm  # noqa: E402
 
 TP, PP = 2, 2
 HIDDEN, VOCAB = 16, 64

@@ -3,7 +3,7 @@
 Importing this module must stay cheap: torch is imported only by the commands that need it, so
 ``gradstat --help`` and ``gradstat --version`` answer at once. stdout carries results only (a
 table, or exactly one JSON document with ``--json``); errors, usage errors included, are one
-line on stderr: ``gradstat: error: ...``.
+line on stderr: ``gradstat: error: ...``. Progress bars go to stderr, on a terminal only.
 
 Names and paths are shown as data: rich markup in them (``[/]``, ``[i]``) is printed literally,
 and characters that are not printable (ESC, newlines, a lone surrogate from an undecodable byte
@@ -12,11 +12,17 @@ The JSON keeps the true strings; it is ASCII, so a lone surrogate is written as 
 ``\\udcff``, which Python's ``json`` reads back to the same string (``os.fsencode`` then gives
 the original bytes).
 
-Exit status: 0 fine, 1 findings (non-finite gradients, compare mismatches, audit findings), 2
-bad input or usage, 141 when the reader of stdout leaves early (``gradstat norm DIR | head -1``):
-the output stops quietly with the status a shell reports for ``cat`` or ``seq`` there, killed
-by SIGPIPE (128 + 13). gradstat exits with that status rather than restoring SIGPIPE's default
-action, which would let a closed socket under torchrun kill it without a word.
+Exit status: 0 fine, 1 findings (non-finite or all-zero gradients, compare mismatches, audit
+findings), 2 bad input or usage, 141 when the reader of stdout leaves early (``gradstat norm
+DIR | head -1``): the output stops quietly with the status a shell reports for ``cat`` or
+``seq`` there, killed by SIGPIPE (128 + 13). gradstat exits with that status rather than
+restoring SIGPIPE's default action, which would let a closed socket under torchrun kill it
+without a word. torchrun turns any failing status into 1: ``--status-file`` keeps it.
+
+Under torchrun, process 0 alone prints, results and errors alike: an error every process meets
+(bad input, a usage error) is said once, by process 0, and the others leave quietly once it has
+left the process group; a lost process is named by each process that notices it, since
+torchrun may stop process 0 first.
 """
 
 from __future__ import annotations
@@ -26,8 +32,9 @@ import json
 import math
 import os
 import sys
+import tempfile
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -37,12 +44,15 @@ from rich.console import Console
 from typer.core import TyperGroup
 
 from ._version import __version__
+from .errors import GradstatError, StoppedTogether
 
 if TYPE_CHECKING:
     from typer._click.exceptions import UsageError
 
     from .analysis import SnapshotStats
-    from .snapshot import RankFile, Snapshot
+    from .render import ProgressBars
+    from .runner import Place, Progress
+    from .snapshot import Snapshot
 else:
     # typer exports one click exception on every release, whether it vendors click (0.2x on)
     # or depends on it: BadParameter, whose base class is click's UsageError.
@@ -54,23 +64,172 @@ EXIT_BROKEN_PIPE = 128 + 13  # a shell's status for a tool killed by SIGPIPE
 # torch without numpy warns at import; gradstat needs no numpy, and stderr is for errors.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
+TORCHRUN = "torchrun --standalone --nproc-per-node N -m gradstat norm SNAPSHOT"
 
-def _fail(message: str) -> typer.Exit:
-    """Print ``message`` as the one error line on stderr; the caller raises the returned Exit."""
+
+def _say_error(message: str) -> None:
+    """Print ``message`` as the one error line on stderr."""
     from .render import visible
 
     typer.echo(f"gradstat: error: {visible(message)}", err=True)
-    return typer.Exit(EXIT_BAD_INPUT)
 
 
-def _usage_error(error: UsageError) -> int:
-    """One line for a usage error (unknown option, missing argument, bad value); its status."""
-    if type(error).__name__ == "NoArgsIsHelpError":
-        return error.exit_code  # a bare ``gradstat``: typer printed the help already
+def _message(error: GradstatError | OSError) -> str:
+    if isinstance(error, OSError):
+        where = f"{error.filename}: " if error.filename else ""
+        return f"{where}{error.strerror or error}"
+    return str(error)
+
+
+def _usage_message(error: UsageError) -> str:
+    """The one line for a usage error (unknown option, missing argument, bad value)."""
     message = error.format_message().rstrip(".")
     command = error.ctx.command_path if error.ctx is not None else "gradstat"
-    _fail(f"{message[:1].lower()}{message[1:]}; see '{command} --help'")
-    return error.exit_code
+    return f"{message[:1].lower()}{message[1:]}; see '{command} --help'"
+
+
+def _option_value(arguments: Sequence[str], name: str) -> str | None:
+    """The value given to option ``name`` in ``arguments``, read before (or without) parsing,
+    so that a usage error elsewhere on the line still finds it."""
+    value = None
+    for index, argument in enumerate(arguments):
+        if argument == "--":
+            break
+        if argument == name and index + 1 < len(arguments):
+            value = arguments[index + 1]
+        elif argument.startswith(f"{name}="):
+            value = argument[len(name) + 1 :]
+    return value
+
+
+class _Session:
+    """One run of the command line: the processes it joined, its progress bars, its status.
+
+    Under a launcher, the process group is left last, once the error line and the status file
+    are written: the processes that keep quiet about an error wait for process 0 to leave.
+    """
+
+    def __init__(self, arguments: Sequence[str]) -> None:
+        self.arguments = list(arguments)
+        self.place: Place | None = None
+        self.joining = False  # set once this process tried to join the others
+        self.timeout_s = 30.0
+        self.bars: ProgressBars | None = None
+        self.status_file = _option_value(self.arguments, "--status-file")
+
+    def speaks(self) -> bool:
+        """Whether this process prints: alone, or process 0 under a launcher."""
+        if self.place is not None:
+            return self.place.is_first
+        from .launcher import launch_rank
+
+        return launch_rank() == 0
+
+    def begin(self) -> None:
+        """Remove an old status file, so that one left by another run is never read as ours.
+
+        Raises:
+            OSError: it cannot be removed.
+        """
+        if self.status_file is not None and self.speaks():
+            Path(self.status_file).unlink(missing_ok=True)
+
+    def join(self, timeout_s: float, snapshot_dirs: Sequence[Path], as_json: bool = False) -> Place:
+        """Join the launcher's processes (or stay alone) and agree with them on the command.
+
+        Progress bars are drawn on process 0 when stderr is an interactive terminal and the
+        output is not JSON.
+        """
+        from .render import ProgressBars
+        from .runner import agree, join
+
+        self.timeout_s, self.joining = timeout_s, True
+        console = Console(stderr=True)
+        if not as_json and console.is_interactive:
+            self.bars = ProgressBars(console)
+        self.place = join(timeout_s, self.bars)
+        agree(self.place, self.arguments, snapshot_dirs)
+        return self.place
+
+    def report(self, progress: Progress) -> None:
+        if self.bars is not None:
+            self.bars(progress)
+
+    def stop_progress(self) -> None:
+        if self.bars is not None:
+            self.bars.stop()
+
+    def failed(self, message: str, stopped_together: bool = False) -> int:
+        """Say ``message`` once for all the processes; the exit status (2).
+
+        Under a launcher, a process that fails before joining the others joins them to stop
+        together (they are waiting in the agreement): process 0 then says the first error.
+        """
+        if not stopped_together and not self.joining:
+            from .launcher import launched
+
+            if launched():
+                from .runner import join, together
+
+                self.joining = True
+                try:
+                    self.place = join(self.timeout_s)
+                    together(self.place, lambda: _raise(GradstatError(message)))
+                except StoppedTogether as stopped:
+                    if stopped.quiet:
+                        return EXIT_BAD_INPUT
+                    message = str(stopped)
+                except GradstatError:
+                    pass  # the others are gone: this process says it
+        self.stop_progress()
+        _say_error(message)
+        return EXIT_BAD_INPUT
+
+    def close(self, status: int) -> int:
+        """Write the status file (the process that prints), then leave the process group.
+
+        Returns:
+            The exit status: ``status``, or 2 when the status file cannot be written.
+        """
+        self.stop_progress()
+        try:
+            if self.status_file is not None and self.speaks():
+                try:
+                    _write_status(Path(self.status_file), status)
+                except OSError as error:
+                    _say_error(f"{self.status_file}: cannot write the exit status ({error})")
+                    status = EXIT_BAD_INPUT
+        finally:
+            if self.place is not None:
+                from .runner import leave
+
+                leave(self.place)
+        return status
+
+
+def _raise(error: Exception) -> Any:
+    raise error
+
+
+def _write_status(path: Path, status: int) -> None:
+    """Write ``status`` into ``path`` (replaced whole: a reader never sees half a file)."""
+    parent = path.parent if str(path.parent) else Path(".")
+    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=parent)
+    try:
+        with os.fdopen(descriptor, "w") as file:
+            file.write(f"{status}\n")
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+_SESSIONS: list[_Session] = []  # the runs in progress, the current one last
+
+
+def _session() -> _Session:
+    assert _SESSIONS, "gradstat's commands run through the app, which opens a session"
+    return _SESSIONS[-1]
 
 
 class _ResultConsole(Console):
@@ -103,7 +262,8 @@ def _quiet_broken_pipe() -> Iterator[None]:
 
 
 class _Commands(TyperGroup):
-    """Typer's command group, with a usage error as one line on stderr instead of a panel."""
+    """Typer's command group, with errors (usage errors too) as one line on stderr, said once
+    under torchrun, and the exit status written where ``--status-file`` asks."""
 
     def main(self, *args: Any, **kwargs: Any) -> Any:
         if not kwargs.get("standalone_mode", True):
@@ -111,17 +271,40 @@ class _Commands(TyperGroup):
         # Not standalone, typer raises a usage error instead of drawing it, and returns the
         # exit status instead of exiting with it; ``sys.exit`` then passes it on.
         kwargs["standalone_mode"] = False
+        given = kwargs.get("args", args[0] if args else None)
+        session = _Session(sys.argv[1:] if given is None else given)
+        _SESSIONS.append(session)
         try:
-            status = super().main(*args, **kwargs)
-        except UsageError as error:
-            status = _usage_error(error)
-        sys.exit(status if isinstance(status, int) else 0)
+            try:
+                session.begin()
+                status = super().main(*args, **kwargs)
+                status = status if isinstance(status, int) else 0
+            except UsageError as error:
+                if type(error).__name__ == "NoArgsIsHelpError":
+                    status = error.exit_code  # a bare ``gradstat``: typer printed the help
+                else:
+                    session.failed(_usage_message(error))
+                    status = error.exit_code
+            except StoppedTogether as error:
+                status = EXIT_BAD_INPUT if error.quiet else session.failed(str(error), True)
+            except (GradstatError, OSError) as error:
+                status = session.failed(_message(error))
+            status = session.close(status)
+        finally:
+            _SESSIONS.remove(session)
+        sys.exit(status)
 
 
 app = typer.Typer(
     cls=_Commands,
     name="gradstat",
-    help="Megatron-exact gradient norms, clipping and zero counts for sharded gradients.",
+    help=(
+        "Megatron-exact gradient norms, clipping and zero counts for sharded gradients.\n\n"
+        f"Under torchrun, from any directory: `{TORCHRUN}` (torchrun runs `-m gradstat` with "
+        "its own Python; a bare `gradstat` would be taken for a script in the current "
+        "directory). Process 0 prints; torchrun reports any failure as exit status 1, so "
+        "`--status-file PATH` writes gradstat's own (0, 1, 2) into PATH."
+    ),
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -140,6 +323,17 @@ DeviceOption = Annotated[
         "--device", help="cpu, cuda (cuda:LOCAL_RANK under torchrun) or auto (cuda if any)."
     ),
 ]
+# The session reads the option itself (``_option_value``), so that a usage error elsewhere on
+# the line is written too; the commands only declare it.
+StatusFileOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--status-file",
+        help="Write the exit status (0, 1, 2 or 141) into this file at the end, from process 0 "
+        "under torchrun (which reports any failure as 1); removed first, so a missing file "
+        "means the run did not finish.",
+    ),
+]
 
 
 def _finite(value: float) -> float:
@@ -149,29 +343,22 @@ def _finite(value: float) -> float:
     return value
 
 
+def _timeout(value: float) -> float:
+    """A finite number of seconds, kept for the session: an error before the processes join
+    waits that long for them."""
+    _session().timeout_s = _finite(value)
+    return value
+
+
 TimeoutOption = Annotated[
     float,
     typer.Option(
         "--timeout",
         min=1.0,
-        callback=_finite,
+        callback=_timeout,
         help="Seconds to wait for other processes under torchrun.",
     ),
 ]
-
-
-@contextmanager
-def _user_errors() -> Iterator[None]:
-    """Turn gradstat's own errors (and the OS's) into one line on stderr and exit status 2."""
-    from .errors import GradstatError
-
-    try:
-        yield
-    except GradstatError as error:
-        raise _fail(str(error)) from None
-    except OSError as error:
-        where = f"{error.filename}: " if error.filename else ""
-        raise _fail(f"{where}{error.strerror or error}") from None
 
 
 def _parse_norm_type(text: str) -> float:
@@ -182,20 +369,7 @@ def _parse_norm_type(text: str) -> float:
         return check_norm_type(value)
     except ValueError:
         message = f"--norm-type {text!r} is not supported; use 2, 1, inf or a number p > 0"
-        raise _fail(message) from None
-
-
-@contextmanager
-def _progress(files: int, show: bool = True) -> Iterator[Callable[[RankFile], None] | None]:
-    """A progress bar on stderr while ``files`` rank files are read, when stderr is a terminal."""
-    if not show or not sys.stderr.isatty():
-        yield None
-        return
-    from rich.progress import Progress
-
-    with Progress(console=Console(stderr=True), transient=True) as progress:
-        task = progress.add_task("reading rank files", total=files)
-        yield lambda _: progress.advance(task)
+        raise GradstatError(message) from None
 
 
 def _statistics(
@@ -204,21 +378,21 @@ def _statistics(
     zeros: bool,
     device: str,
     timeout: float,
+    as_json: bool,
 ) -> tuple[Snapshot, SnapshotStats, bool]:
     """Open, validate and reduce the snapshot, in this process or over torchrun's.
 
     Returns the snapshot, its statistics, and whether this process prints (rank 0).
     """
     from .analysis import Request, merge
-    from .runner import gather_pieces, pick_device, process_group
+    from .runner import gather_pieces, pick_device, together
     from .snapshot import Snapshot
 
-    with _user_errors(), process_group(timeout, sys.argv[1:], [snapshot_dir]) as place:
-        snapshot = Snapshot.open(snapshot_dir)
-        request = Request.make(norm_types, zeros, pick_device(device))
-        with _progress(len(place.share(snapshot.files)), place.is_first) as on_file:
-            pieces = gather_pieces(snapshot, request, place, on_file)
-        return snapshot, merge(pieces, request), place.is_first
+    place = _session().join(timeout, [snapshot_dir], as_json)
+    snapshot, where = together(place, lambda: (Snapshot.open(snapshot_dir), pick_device(device)))
+    request = Request.make(norm_types, zeros, where)
+    pieces = gather_pieces(snapshot, request, place)
+    return snapshot, merge(pieces, request), place.is_first
 
 
 def _refuse_overflow(snapshot_dir: Path, stats: SnapshotStats, p: float, shown: str) -> None:
@@ -228,7 +402,7 @@ def _refuse_overflow(snapshot_dir: Path, stats: SnapshotStats, p: float, shown: 
     non-finite gradient, and clipping by it would zero every gradient.
     """
     if not stats.nonfinite and math.isinf(stats.norm(p)):
-        raise _fail(
+        raise GradstatError(
             f"{snapshot_dir}: the {shown}-norm of these gradients is larger than float64 holds "
             f"(1.8e308), although every gradient is finite; a larger --norm-type gives a smaller "
             f"norm"
@@ -237,6 +411,7 @@ def _refuse_overflow(snapshot_dir: Path, stats: SnapshotStats, p: float, shown: 
 
 def _emit(as_json: bool, document: dict[str, Any], draw: Callable[[Console], None]) -> None:
     """Print the results: one JSON document (ASCII, names as they are), or rich tables."""
+    _session().stop_progress()
     with _quiet_broken_pipe():
         if as_json:
             sys.stdout.write(json.dumps(document, indent=2, allow_nan=False) + "\n")
@@ -275,29 +450,38 @@ def norm(
         typer.Option("--max-norm", help="Also show the clip coefficient for this max norm."),
     ] = None,
     top: Annotated[
-        int, typer.Option("--top", min=1, help="Parameters to list (largest first).")
-    ] = 20,
+        int | None,
+        typer.Option(
+            "--top",
+            min=1,
+            help="Parameters to list, largest first (the table: 20 unless given; the JSON: "
+            "every one unless given, then also how many were left out).",
+        ),
+    ] = None,
     as_json: JsonOption = False,
     device: DeviceOption = "cpu",
     timeout: TimeoutOption = 30.0,
+    status_file: StatusFileOption = None,
 ) -> None:
     """The global gradient norm as Megatron computes it, and each parameter's share.
 
-    Exit status 1 when a gradient holds NaN or Inf (they are located by rank and parameter).
+    Exit status 1 when a gradient holds NaN or Inf (they are located by rank and parameter),
+    or when every gradient is zero (a snapshot dumped before the backward pass?).
     """
     p = _parse_norm_type(norm_type)
     if max_norm is not None and not (math.isfinite(max_norm) and max_norm > 0):
-        raise _fail(f"--max-norm must be a positive number, got {max_norm}")
+        raise GradstatError(f"--max-norm must be a positive number, got {max_norm}")
     from .render import print_norm
     from .report import norm_report
 
-    snapshot, stats, prints = _statistics(snapshot_dir, (p,), False, device, timeout)
+    snapshot, stats, prints = _statistics(snapshot_dir, (p,), False, device, timeout, as_json)
     if not prints:
         return
     _refuse_overflow(snapshot_dir, stats, p, norm_type)
-    report = norm_report(snapshot, stats, p, max_norm, top)
+    shown = top if as_json else (top or 20)
+    report = norm_report(snapshot, stats, p, max_norm, shown)
     _emit(as_json, report.to_json(), lambda console: print_norm(console, report))
-    if report.nonfinite:
+    if report.nonfinite or report.all_zero:
         raise typer.Exit(EXIT_FINDINGS)
 
 
@@ -307,23 +491,32 @@ def zeros(
     as_json: JsonOption = False,
     device: DeviceOption = "cpu",
     timeout: TimeoutOption = 30.0,
+    status_file: StatusFileOption = None,
 ) -> None:
-    """num_zeros as Megatron counts it (GTP padding excluded), and per parameter."""
+    """num_zeros as Megatron counts it (GTP padding excluded), and per parameter.
+
+    Exit status 1 when every gradient is zero (a snapshot dumped before the backward pass?).
+    """
     from .render import print_zeros
     from .report import zeros_report
 
-    snapshot, stats, prints = _statistics(snapshot_dir, (), True, device, timeout)
+    snapshot, stats, prints = _statistics(snapshot_dir, (), True, device, timeout, as_json)
     if not prints:
         return
     report = zeros_report(snapshot, stats)
     _emit(as_json, report.to_json(), lambda console: print_zeros(console, report))
+    if report.all_zero:
+        raise typer.Exit(EXIT_FINDINGS)
 
 
 @app.command()
 def clip(
     snapshot_dir: SnapshotArg,
     max_norm: Annotated[float, typer.Option("--max-norm", help="The largest total norm allowed.")],
-    out: Annotated[Path, typer.Option("--out", help="New directory for the clipped snapshot.")],
+    out: Annotated[
+        Path,
+        typer.Option("--out", help="New directory for the clipped snapshot (parents created)."),
+    ],
     norm_type: Annotated[
         str, typer.Option("--norm-type", "-p", help="Norm to clip by: 2, 1, inf or p > 0.")
     ] = "2",
@@ -338,39 +531,52 @@ def clip(
     as_json: JsonOption = False,
     device: DeviceOption = "cpu",
     timeout: TimeoutOption = 30.0,
+    status_file: StatusFileOption = None,
 ) -> None:
     """Write a clipped copy of a snapshot (clip_grad_by_total_norm_fp32 semantics).
 
-    The input is never modified; DIR must be new or empty and not inside the input. The copy
-    appears atomically: a killed run leaves nothing that looks complete.
+    The input is never modified; DIR must be new or empty and not inside the input; its
+    missing parents are created. The copy appears atomically: a killed run leaves nothing that
+    looks complete. Exit status 1 when every gradient is zero (the copy is then the input).
     """
     p = _parse_norm_type(norm_type)
     if not (math.isfinite(max_norm) and max_norm > 0):
-        raise _fail(f"--max-norm must be a positive number, got {max_norm}")
+        raise GradstatError(f"--max-norm must be a positive number, got {max_norm}")
     from .clip_grads import clip_coefficient
+    from .launcher import launch_rank
     from .render import print_clip
     from .report import ClipReport
+    from .runner import Progress
     from .snapshot.clip import check_output_dir, write_clipped
 
-    with _user_errors():
+    if launch_rank() == 0:  # process 0 alone writes the copy, maybe on its own machine
         check_output_dir(snapshot_dir, out)
-    snapshot, stats, prints = _statistics(snapshot_dir, (p,), False, device, timeout)
+    snapshot, stats, prints = _statistics(snapshot_dir, (p,), False, device, timeout, as_json)
     if not prints:
-        return  # rank 0 alone writes the copy
+        return
     _refuse_overflow(snapshot_dir, stats, p, norm_type)
-    with _user_errors():
-        total = stats.norm(p)
-        if not math.isfinite(total) and not allow_nonfinite:
-            raise _fail(
-                f"{snapshot_dir}: the {norm_type} norm is {total}; refusing to write a clipped "
-                f"copy of non-finite gradients (gradstat norm locates them; "
-                f"--allow-nonfinite writes it anyway)"
-            )
-        coefficient = clip_coefficient(max_norm, total)
-        with _progress(len(snapshot.files)) as on_file:
-            write_clipped(snapshot, out, coefficient, on_file)
+    total = stats.norm(p)
+    if not math.isfinite(total) and not allow_nonfinite:
+        raise GradstatError(
+            f"{snapshot_dir}: the {norm_type} norm is {total}; refusing to write a clipped "
+            f"copy of non-finite gradients (gradstat norm locates them; "
+            f"--allow-nonfinite writes it anyway)"
+        )
+    coefficient = clip_coefficient(max_norm, total)
+    files, total_bytes = len(snapshot.files), sum(file.size_bytes for file in snapshot.files)
+    written = [0, 0]
+
+    def on_file(rank_file: Any) -> None:
+        written[0] += 1
+        written[1] += rank_file.size_bytes
+        progress = Progress("writing", written[0], files, "rank files", written[1], total_bytes)
+        _session().report(progress)
+
+    write_clipped(snapshot, out, coefficient, on_file)
     report = ClipReport(str(snapshot_dir), str(out), p, max_norm, total, coefficient)
     _emit(as_json, report.to_json(), lambda console: print_clip(console, report))
+    if report.all_zero:
+        raise typer.Exit(EXIT_FINDINGS)
 
 
 RtolOption = Annotated[
@@ -389,6 +595,7 @@ def compare(
     as_json: JsonOption = False,
     device: DeviceOption = "cpu",
     timeout: TimeoutOption = 30.0,
+    status_file: StatusFileOption = None,
 ) -> None:
     """Two snapshots of one model, parameter by parameter, whatever their layouts.
 
@@ -397,14 +604,16 @@ def compare(
     """
     from .compare import compare_snapshots
     from .render import print_compare
-    from .runner import pick_device, process_group
+    from .runner import pick_device, together
     from .snapshot import Snapshot
 
-    with _user_errors(), process_group(timeout, sys.argv[1:], [snapshot_a, snapshot_b]) as place:
-        snapshots = Snapshot.open(snapshot_a), Snapshot.open(snapshot_b)
-        report = compare_snapshots(*snapshots, place, rtol, pick_device(device))
-        if not place.is_first:
-            return
+    place = _session().join(timeout, [snapshot_a, snapshot_b], as_json)
+    *snapshots, where = together(
+        place, lambda: (Snapshot.open(snapshot_a), Snapshot.open(snapshot_b), pick_device(device))
+    )
+    report = compare_snapshots(snapshots[0], snapshots[1], place, rtol, where)
+    if not place.is_first:
+        return
     _emit(as_json, report.to_json(), lambda console: print_compare(console, report, show_all))
     if report.flagged:
         raise typer.Exit(EXIT_FINDINGS)
@@ -417,6 +626,7 @@ def audit(
     as_json: JsonOption = False,
     device: DeviceOption = "cpu",
     timeout: TimeoutOption = 30.0,
+    status_file: StatusFileOption = None,
 ) -> None:
     """Check the gradients against what their attributes promise.
 
@@ -428,27 +638,29 @@ def audit(
     """
     from .audit import audit_snapshot
     from .render import print_audit
-    from .runner import pick_device, process_group
+    from .runner import pick_device, together
     from .snapshot import Snapshot
 
-    with _user_errors(), process_group(timeout, sys.argv[1:], [snapshot_dir]) as place:
-        report = audit_snapshot(Snapshot.open(snapshot_dir), place, rtol, pick_device(device))
-        if not place.is_first:
-            return
+    place = _session().join(timeout, [snapshot_dir], as_json)
+    snapshot, where = together(place, lambda: (Snapshot.open(snapshot_dir), pick_device(device)))
+    report = audit_snapshot(snapshot, place, rtol, where)
+    if not place.is_first:
+        return
     _emit(as_json, report.to_json(), lambda console: print_audit(console, report))
     if report.findings:
         raise typer.Exit(EXIT_FINDINGS)
 
 
 @app.command()
-def inspect(snapshot_dir: SnapshotArg, as_json: JsonOption = False) -> None:
+def inspect(
+    snapshot_dir: SnapshotArg, as_json: JsonOption = False, status_file: StatusFileOption = None
+) -> None:
     """What gradstat rebuilt: world size, axes, files, and each parameter's attributes."""
     from .render import print_inspect
     from .report import inspect_report
     from .snapshot import Snapshot
 
-    with _user_errors():
-        report = inspect_report(Snapshot.open(snapshot_dir))
+    report = inspect_report(Snapshot.open(snapshot_dir))
     _emit(as_json, report.to_json(), lambda console: print_inspect(console, report))
 
 

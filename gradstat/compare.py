@@ -243,13 +243,19 @@ def compare_snapshots(
         device: where norms and zeros are reduced.
     """
     request = Request.make((2.0,), True, device)
-    stats_a = merge(gather_pieces(snapshot_a, request, place), request)
-    stats_b = merge(gather_pieces(snapshot_b, request, place), request)
+    stats_a = merge(gather_pieces(snapshot_a, request, place, stage="reading A"), request)
+    stats_b = merge(gather_pieces(snapshot_b, request, place, stage="reading B"), request)
     by_name = ({p.name: p for p in stats_a.params}, {p.name: p for p in stats_b.params})
     names = list(by_name[0]) + [name for name in by_name[1] if name not in by_name[0]]
     tiles_a, tiles_b = snapshot_tiles(snapshot_a), snapshot_tiles(snapshot_b)
     common = [name for name in names if name in by_name[0] and name in by_name[1]]
-    found = gather_jobs(place, common, lambda name: _elementwise(tiles_a[name], tiles_b[name]))
+    found = gather_jobs(
+        place,
+        common,
+        lambda name: _elementwise(tiles_a[name], tiles_b[name]),
+        stage="comparing",
+        unit="parameters",
+    )
     elementwise = dict(zip(common, found, strict=True))
     params = tuple(_param_diff(name, by_name, elementwise.get(name), rtol) for name in names)
     return CompareReport(

@@ -25,3 +25,16 @@ class SnapshotError(GradstatError):
 
 class PartialGradientError(GradstatError, ValueError):
     """A DTensor gradient that is Partial: still pending its reduction, it has no norm yet."""
+
+
+class StoppedTogether(GradstatError):
+    """An error that stopped every process of a launched run alike.
+
+    One process's bad input reaches the others through an exchange, so they all raise it with
+    the same message; process 0 says it (``quiet`` false) and the others leave without a word
+    (``quiet`` true), once process 0 has stopped.
+    """
+
+    def __init__(self, message: str, *, quiet: bool = False) -> None:
+        super().__init__(message)
+        self.quiet = quiet

@@ -1,4 +1,4 @@
-"""Rich tables for the report rows (the other rendering is ``to_json``).
+"""Rich tables for the report rows (the other rendering is ``to_json``), and progress bars.
 
 Parameter names, paths and whatever else a snapshot or the command line supplies are data: they
 go through ``_shown``, so no text in them is taken for rich markup or reaches the terminal as a
@@ -10,7 +10,7 @@ emoji otherwise. Importing this module is cheap (no torch): the CLI's error line
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -20,8 +20,10 @@ if TYPE_CHECKING:
     from .audit import AuditReport
     from .compare import CompareReport
     from .report import ClipReport, InspectReport, NormReport, SnapshotInfo, ZerosReport
+    from .runner import Progress
 
 __all__ = [
+    "ProgressBars",
     "print_audit",
     "print_clip",
     "print_compare",
@@ -64,6 +66,12 @@ def _norm_name(norm_type: float) -> str:
     return f"L{norm_type:g}"
 
 
+ALL_ZERO = (
+    "[bold red]every counted gradient is zero[/]: dumped before the backward pass, or after "
+    "zero_grad?"
+)
+
+
 def _header(console: Console, info: SnapshotInfo) -> None:
     optimizer = "distributed optimizer" if info.distributed_optimizer else "plain optimizer"
     step = "" if info.step is None else f", step {info.step}"
@@ -86,7 +94,8 @@ def print_norm(console: Console, report: NormReport) -> None:
     share = (
         "share of norm" if report.norm_type == math.inf else f"share of norm^{report.norm_type:g}"
     )
-    table = Table(title=f"parameters by contribution ({len(report.params)} shown)")
+    counted = len(report.params) + report.params_left_out
+    table = Table(title=f"parameters by contribution ({len(report.params)} of {counted} shown)")
     table.add_column("parameter", overflow="fold")
     for column in (f"{name} norm", share, "elements", "ranks"):
         table.add_column(column, justify="right")
@@ -104,6 +113,8 @@ def print_norm(console: Console, report: NormReport) -> None:
         for item in report.nonfinite:
             found.add_row(str(item.rank), _shown(item.name), str(item.nan), str(item.inf))
         console.print(found)
+    if report.all_zero:
+        console.print(ALL_ZERO)
 
 
 def print_zeros(console: Console, report: ZerosReport) -> None:
@@ -125,6 +136,8 @@ def print_zeros(console: Console, report: ZerosReport) -> None:
             str(row.padding_excluded),
         )
     console.print(table)
+    if report.all_zero:
+        console.print(ALL_ZERO)
 
 
 def print_inspect(console: Console, report: InspectReport) -> None:
@@ -183,6 +196,8 @@ def print_clip(console: Console, report: ClipReport) -> None:
         f"max_norm {report.max_norm:g}: gradients {action}"
     )
     console.print(f"wrote {_shown(report.out)}")
+    if report.all_zero:
+        console.print(ALL_ZERO)
 
 
 def _maybe(value: float | int | None, digits: int = 6) -> str:
@@ -273,3 +288,55 @@ def print_audit(console: Console, report: AuditReport) -> None:
     console.print(table)
     for number, finding in enumerate(report.findings, 1):
         console.print(f"{number:>2}. {_shown(finding.detail)}")
+
+
+class ProgressBars:
+    """How far a command is, as rich progress bars on ``console`` (stderr), one per stage.
+
+    Called with each :class:`~gradstat.runner.Progress`; the bars appear with the first one,
+    count units and bytes, and vanish at :meth:`stop`, before any result is printed.
+    """
+
+    def __init__(self, console: Console) -> None:
+        self._console = console
+        self._bars: Any = None  # rich.progress.Progress, imported when first drawn
+        self._tasks: dict[str, Any] = {}
+
+    def __call__(self, progress: Progress) -> None:
+        if self._bars is None:
+            from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import Progress as Bars
+
+            self._bars = Bars(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                TextColumn("{task.fields[count]}"),
+                TextColumn("{task.fields[size]}"),
+                TimeElapsedColumn(),
+                console=self._console,
+                transient=True,
+                # stdout carries results only: nothing written there goes to the bars' stderr
+                redirect_stdout=False,
+                redirect_stderr=False,
+            )
+            self._bars.start()
+        from rich.filesize import decimal
+
+        fields = {"count": f"{progress.done}/{progress.total} {progress.unit}", "size": ""}
+        completed, total = progress.done, progress.total
+        if progress.bytes_total:
+            fields["size"] = f"{decimal(progress.bytes_done)} of {decimal(progress.bytes_total)}"
+            completed, total = progress.bytes_done, progress.bytes_total
+        task = self._tasks.get(progress.stage)
+        if task is None:
+            self._tasks[progress.stage] = self._bars.add_task(
+                progress.stage, total=total, completed=completed, **fields
+            )
+        else:
+            self._bars.update(task, total=total, completed=completed, **fields)
+
+    def stop(self) -> None:
+        """Take the bars off the terminal (a later stage draws new ones)."""
+        if self._bars is not None:
+            self._bars.stop()
+            self._bars, self._tasks = None, {}

@@ -93,10 +93,18 @@ class NormReport:
     nonfinite: tuple[NonFiniteRow, ...]
     max_norm: float | None
     clip_coeff: float | None
+    params_left_out: int = 0  # rows cut by ``top``
+
+    @property
+    def all_zero(self) -> bool:
+        """Every counted gradient element is zero (or none was counted): a snapshot dumped
+        before the backward pass, or after zero_grad, rather than a model with no gradient."""
+        return self.total_norm == 0.0
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["norm_type"] = json_number(self.norm_type)
+        data["all_zero"] = self.all_zero
         return dict(jsonable(data))
 
 
@@ -121,7 +129,11 @@ def norm_report(
     max_norm: float | None = None,
     top: int | None = None,
 ) -> NormReport:
-    """The global norm as Megatron computes it, and each parameter's part in it."""
+    """The global norm as Megatron computes it, and each parameter's part in it.
+
+    Args:
+        top: keep the ``top`` largest parameters (non-finite first); None keeps every one.
+    """
     total = stats.norm(norm_type)
     rows = [
         ParamNormRow(
@@ -153,6 +165,7 @@ def norm_report(
         nonfinite=nonfinite,
         max_norm=max_norm,
         clip_coeff=clip_coeff,
+        params_left_out=0 if top is None else max(len(rows) - top, 0),
     )
 
 
@@ -169,9 +182,15 @@ class ClipReport:
     def clipped(self) -> bool:
         return self.clip_coeff < 1.0
 
+    @property
+    def all_zero(self) -> bool:
+        """Every counted gradient element is zero: the copy is the input, unchanged."""
+        return self.total_norm == 0.0
+
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["clipped"] = self.clipped
+        data["all_zero"] = self.all_zero
         return dict(jsonable(data))
 
 
@@ -193,8 +212,15 @@ class ZerosReport:
     sparsity: float
     params: tuple[ParamZerosRow, ...]
 
+    @property
+    def all_zero(self) -> bool:
+        """Every counted gradient element is zero (or none was counted)."""
+        return self.num_zeros == self.num_elements
+
     def to_json(self) -> dict[str, Any]:
-        return dict(jsonable(asdict(self)))
+        data = asdict(self)
+        data["all_zero"] = self.all_zero
+        return dict(jsonable(data))
 
 
 def _sparsity(zeros: int, elements: int) -> float:

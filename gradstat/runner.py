@@ -4,9 +4,10 @@ Each process computes the pieces (a few numbers per counted tensor) of its share
 files, on its CPU or on ``cuda:LOCAL_RANK``; the pieces travel over a gloo group, so a failure
 raises instead of aborting, and rank 0 merges them in rank-file order: every number is bitwise
 what one process computes alone. A process that hits bad input sends its error instead, and
-every process raises it. Before anything is computed the processes check that they were all
-started with the same arguments on the same snapshot; a process that stops (killed, frozen,
-hung) is named by the others, whenever it stops.
+every process raises it (:class:`StoppedTogether`: process 0 says it, the others keep quiet).
+Before anything is computed the processes check that they were all started with the same
+arguments on the same snapshot; a process that stops (killed, frozen, hung) is named by the
+others, whenever it stops. Process 0 also reports how far all of them are (:class:`Progress`).
 """
 
 from __future__ import annotations
@@ -24,24 +25,49 @@ from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from .analysis import NonFinite, Piece, Request, snapshot_pieces
-from .errors import GradstatError
+from .errors import GradstatError, StoppedTogether
+from .launcher import launch_rank, launched
 from .snapshot import RankFile, Snapshot
 from .snapshot.container import MAX_HEADER_BYTES
 
 T = TypeVar("T")
 
-__all__ = ["Place", "gather_jobs", "gather_pieces", "launched", "pick_device", "process_group"]
+__all__ = [
+    "Place",
+    "Progress",
+    "agree",
+    "gather_jobs",
+    "gather_pieces",
+    "join",
+    "launch_rank",
+    "launched",
+    "leave",
+    "pick_device",
+    "process_group",
+    "together",
+]
 
 
-def launched() -> bool:
-    """True under a launcher (torchrun) with more than one process."""
-    return "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+@dataclass(frozen=True)
+class Progress:
+    """How far all the processes together are with one stage of a command.
+
+    ``done`` of ``total`` units (rank files, checks); ``bytes_done`` of ``bytes_total`` bytes
+    where the stage reads whole rank files (both 0 where it does not count bytes).
+    """
+
+    stage: str
+    done: int
+    total: int
+    unit: str
+    bytes_done: int = 0
+    bytes_total: int = 0
 
 
 @dataclass(frozen=True)
@@ -51,6 +77,8 @@ class Place:
     rank: int
     size: int
     timeout_s: float = 30.0
+    # Told how far the processes are; process 0 alone calls it, speaking for all of them.
+    on_progress: Callable[[Progress], None] | None = field(default=None, repr=False, compare=False)
     # Numbers the exchanges: every process makes the same ones in the same order, so that each
     # exchange has its own keys in the launcher's store.
     _exchanges: Iterator[int] = field(default_factory=itertools.count, repr=False, compare=False)
@@ -63,34 +91,24 @@ class Place:
         """This process's share of ``items``: items rank, rank + size, ..."""
         return list(items[self.rank :: self.size])
 
+    def report(self, progress: Progress) -> None:
+        """Pass ``progress`` on to ``on_progress``, on process 0 only."""
+        if self.is_first and self.on_progress is not None:
+            self.on_progress(progress)
 
-@contextmanager
-def process_group(
-    timeout_s: float,
-    arguments: Sequence[str] = (),
-    snapshot_dirs: Sequence[str | os.PathLike[str]] = (),
-) -> Iterator[Place]:
-    """Join torchrun's processes in a gloo group for the duration; alone, do nothing.
 
-    The processes first agree: each sends its ``arguments`` (the command line it was started
-    with) and a digest of the rank files in ``snapshot_dirs`` (their names, sizes and headers;
-    no gradient is read), so that pieces computed for another norm or from another snapshot are
-    never merged.
+def join(timeout_s: float, on_progress: Callable[[Progress], None] | None = None) -> Place:
+    """Join torchrun's processes in a gloo group (:func:`leave` leaves it); alone, do nothing.
 
     Args:
         timeout_s: how long to wait for the other processes, to join and at every exchange.
-        arguments: this process's command line, which every process must share.
-        snapshot_dirs: the snapshot directories this process is about to read.
+        on_progress: told how far the processes are, on process 0 (see :class:`Progress`).
 
     Raises:
-        GradstatError: the other processes did not all join within ``timeout_s``; or, on
-            process 0, they were started with other arguments or see other rank files. The
-            other processes then say nothing, so the line is printed once: they wait for
-            process 0 to stop (or ``timeout_s``) and leave with ``SystemExit(2)``.
+        GradstatError: the other processes did not all join within ``timeout_s``.
     """
     if not launched():
-        yield Place(0, 1, timeout_s)
-        return
+        return Place(0, 1, timeout_s, on_progress)
     size = int(os.environ["WORLD_SIZE"])
     try:
         dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
@@ -99,45 +117,114 @@ def process_group(
             f"process {os.environ.get('RANK')} of {size}: the processes did not all join within "
             f"{timeout_s:g} s ({_last_line(error)})"
         ) from error
-    try:
-        place = Place(dist.get_rank(), dist.get_world_size(), timeout_s)
-        _agree(place, list(arguments), snapshot_dirs)
-        yield place
-    finally:
+    return Place(dist.get_rank(), dist.get_world_size(), timeout_s, on_progress)
+
+
+def leave(place: Place) -> None:
+    """Leave the group :func:`join` joined. The processes waiting for process 0 to stop
+    (:class:`StoppedTogether`, quiet) go once it has left: leave last."""
+    if place.size > 1 and dist.is_initialized():
         dist.destroy_process_group()
 
 
-def _agree(
-    place: Place, arguments: list[str], snapshot_dirs: Sequence[str | os.PathLike[str]]
-) -> None:
-    """Stop unless every process has the same arguments and snapshot digest as process 0."""
+@contextmanager
+def process_group(
+    timeout_s: float,
+    arguments: Sequence[str] = (),
+    snapshot_dirs: Sequence[str | os.PathLike[str]] = (),
+    on_progress: Callable[[Progress], None] | None = None,
+) -> Iterator[Place]:
+    """:func:`join`, :func:`agree`, and :func:`leave` at the end.
 
-    def identify(beat: Callable[[], None]) -> dict[str, Any]:
-        return {"arguments": arguments, "snapshots": _snapshot_digest(snapshot_dirs, beat)}
+    Raises:
+        GradstatError: the other processes did not all join within ``timeout_s``.
+        StoppedTogether: they did not agree (see :func:`agree`).
+    """
+    place = join(timeout_s, on_progress)
+    try:
+        agree(place, arguments, snapshot_dirs)
+        yield place
+    finally:
+        leave(place)
+
+
+def agree(
+    place: Place,
+    arguments: Sequence[str] = (),
+    snapshot_dirs: Sequence[str | os.PathLike[str]] = (),
+) -> None:
+    """Stop unless every process was started as process 0 was, on the same snapshot.
+
+    Each process sends its ``arguments`` (the command line it was started with) and a digest
+    of the rank files in ``snapshot_dirs`` (their names, sizes and headers; no gradient is
+    read), so that pieces computed for another norm or from another snapshot are never merged.
+
+    Raises:
+        StoppedTogether: other arguments or other rank files; quiet but on process 0.
+    """
+    if place.size == 1:
+        return
+
+    def identify(beat: Callable[[int], None]) -> dict[str, Any]:
+        return {"arguments": list(arguments), "snapshots": _snapshot_digest(snapshot_dirs, beat)}
 
     everyone = _gathered(place, identify)
     first = everyone[0]
     if all(theirs == first for theirs in everyone):
         return
-    if not place.is_first:
-        _wait_for_first()
-        raise SystemExit(2)
-    others = [rank for rank, theirs in enumerate(everyone) if theirs["arguments"] != arguments]
+    started = first["arguments"]
+    others = [rank for rank, theirs in enumerate(everyone) if theirs["arguments"] != started]
     if others:
         example = everyone[others[0]]["arguments"]
-        raise GradstatError(
+        _stop_together(
+            place,
             f"{_processes(others)} of {place.size} {'was' if len(others) == 1 else 'were'} "
             f"started with other arguments than process 0 (process {others[0]} ran "
-            f'"gradstat {shlex.join(example)}", process 0 "gradstat {shlex.join(arguments)}"); '
-            f"start every process with the same command"
+            f'"gradstat {shlex.join(example)}", process 0 "gradstat '
+            f'{shlex.join(started)}"); start every process with the same command',
         )
     others = [rank for rank, theirs in enumerate(everyone) if theirs != first]
     shown = ", ".join(str(directory) for directory in snapshot_dirs)
-    raise GradstatError(
+    _stop_together(
+        place,
         f"{_processes(others)} of {place.size} {'sees' if len(others) == 1 else 'see'} other "
         f"rank files in {shown} than process 0 (names, sizes or headers differ); every process "
-        f"must read the same snapshot"
+        f"must read the same snapshot",
     )
+
+
+def together(place: Place, work: Callable[[], T]) -> T:
+    """``work()`` in every process, stopping them all if it fails in any.
+
+    For work whose errors every process meets alike (opening the snapshot): process 0 says the
+    error once instead of every process saying it.
+
+    Raises:
+        StoppedTogether: ``work`` raised a GradstatError or an OSError in some process (the
+            first, by process rank); quiet but on process 0.
+    """
+    if place.size == 1:
+        return work()
+    done: list[T] = []
+
+    def compute(beat: Callable[[int], None]) -> None:
+        done.append(work())
+
+    _gathered(place, compute)
+    return done[0]
+
+
+def _stop_together(place: Place, message: str) -> NoReturn:
+    """Raise ``message`` on every process, to be said by process 0 alone.
+
+    A quiet process first waits for process 0 to leave the group (or ``timeout_s``): one that
+    left before process 0 said it could get it killed first (torchrun stops every process when
+    one fails).
+    """
+    if place.is_first:
+        raise StoppedTogether(message)
+    _wait_for_first()
+    raise StoppedTogether(message, quiet=True)
 
 
 def _processes(ranks: Sequence[int]) -> str:
@@ -145,9 +232,7 @@ def _processes(ranks: Sequence[int]) -> str:
 
 
 def _wait_for_first() -> None:
-    """Return once process 0 has stopped, or after ``timeout_s``: a process that left before
-    process 0 printed its line could get it killed first (torchrun stops every process when one
-    fails).
+    """Return once process 0 has left the group, or after ``timeout_s``.
 
     A receive from process 0, which sends nothing, ends when its connection closes; the store
     would do as well, but its client logs a stack trace when its server goes.
@@ -157,7 +242,7 @@ def _wait_for_first() -> None:
 
 
 def _snapshot_digest(
-    directories: Sequence[str | os.PathLike[str]], beat: Callable[[], None]
+    directories: Sequence[str | os.PathLike[str]], beat: Callable[[int], None]
 ) -> str:
     """A digest of what identifies the snapshots cheaply: each rank file's name, size and
     header bytes, the data section unread (``beat`` after each file). A directory or file that
@@ -177,7 +262,7 @@ def _snapshot_digest(
         for name in names:
             identity = _rank_file_identity(Path(os.fsdecode(directory)) / os.fsdecode(name))
             digest.update(b"\0file\0%s\0%d\0%s" % (name, len(identity), identity))
-            beat()
+            beat(0)
     return digest.hexdigest()
 
 
@@ -230,55 +315,92 @@ def gather_pieces(
     request: Request,
     place: Place,
     on_file: Callable[[RankFile], None] | None = None,
+    stage: str = "reading rank files",
 ) -> list[Piece]:
     """Every rank file's pieces, computed by the processes in turn (files i, i+N, ...).
 
+    Process 0 reports the rank files and bytes all the processes have read, as ``stage``
+    (:meth:`Place.report`); ``on_file`` is called in each process after each of its files.
+
     Raises:
-        GradstatError: any process's error (the first, by process rank), on every process.
+        StoppedTogether: any process's error (the first, by process rank), on every process.
+        GradstatError: some processes stopped moving (named by number), or, alone, the error.
     """
     mine = [rank_file.rank for rank_file in place.share(snapshot.files)]
-    if place.size == 1:
-        return snapshot_pieces(snapshot, request, mine, on_file)
+    total_bytes = sum(rank_file.size_bytes for rank_file in snapshot.files)
 
-    def compute(beat: Callable[[], None]) -> list[dict[str, Any]]:
+    def report(done: int, done_bytes: int) -> None:
+        progress = Progress(stage, done, len(snapshot.files), "rank files", done_bytes, total_bytes)
+        place.report(progress)
+
+    report(0, 0)
+    if place.size == 1:
+        done = [0, 0]
+
+        def after_one(rank_file: RankFile) -> None:
+            done[0] += 1
+            done[1] += rank_file.size_bytes
+            report(*done)
+            if on_file is not None:
+                on_file(rank_file)
+
+        return snapshot_pieces(snapshot, request, mine, after_one)
+
+    def compute(beat: Callable[[int], None]) -> list[dict[str, Any]]:
         def after_file(rank_file: RankFile) -> None:
-            beat()
+            beat(rank_file.size_bytes)
             if on_file is not None:
                 on_file(rank_file)
 
         return [asdict(piece) for piece in snapshot_pieces(snapshot, request, mine, after_file)]
 
-    pieces = [_piece_from(data) for share in _gathered(place, compute) for data in share]
+    shares = _gathered(place, compute, report if place.is_first else None)
+    report(len(snapshot.files), total_bytes)
+    pieces = [_piece_from(data) for share in shares for data in share]
     # Stable: each file's pieces stay in their order, files come in rank order.
     pieces.sort(key=lambda piece: piece.rank)
     return pieces
 
 
-def gather_jobs(place: Place, jobs: Sequence[T], work: Callable[[T], Any]) -> list[Any]:
+def gather_jobs(
+    place: Place,
+    jobs: Sequence[T],
+    work: Callable[[T], Any],
+    stage: str = "checking",
+    unit: str = "checks",
+) -> list[Any]:
     """``work(job)`` for every job, the jobs split over the processes (i, i+N, ...).
 
     ``work`` returns JSON data; every result comes back through JSON, in one process too, so
-    that the results are the same objects however the jobs were split.
+    that the results are the same objects however the jobs were split. Process 0 reports the
+    jobs all the processes have done, as ``stage`` counted in ``unit``.
 
     Returns:
         The results in job order, on every process.
 
     Raises:
-        GradstatError: any process's error (the first, by process rank), on every process.
+        StoppedTogether: any process's error (the first, by process rank), on every process.
+        GradstatError: some processes stopped moving (named by number), or, alone, the error.
     """
     mine = place.share(range(len(jobs)))
 
-    def compute(beat: Callable[[], None]) -> list[list[Any]]:
+    def report(done: int, _bytes: int = 0) -> None:
+        place.report(Progress(stage, done, len(jobs), unit))
+
+    def compute(beat: Callable[[int], None]) -> list[list[Any]]:
         done = []
         for index in mine:
             done.append([index, work(jobs[index])])
-            beat()
+            beat(0)
         return done
 
+    report(0)
     if place.size == 1:
-        shares = [json.loads(json.dumps(compute(lambda: None)))]
+        finished = itertools.count(1)
+        shares = [json.loads(json.dumps(compute(lambda _: report(next(finished)))))]
     else:
-        shares = _gathered(place, compute)
+        shares = _gathered(place, compute, report if place.is_first else None)
+    report(len(jobs))
     results: list[Any] = [None] * len(jobs)
     for share in shares:
         for index, result in share:
@@ -286,21 +408,31 @@ def gather_jobs(place: Place, jobs: Sequence[T], work: Callable[[T], Any]) -> li
     return results
 
 
-def _gathered(place: Place, compute: Callable[[Callable[[], None]], Any]) -> list[Any]:
+def _gathered(
+    place: Place,
+    compute: Callable[[Callable[[int], None]], Any],
+    watch: Callable[[int, int], None] | None = None,
+) -> list[Any]:
     """Every process's ``compute(beat)`` (JSON data), in process order, on every process.
 
-    ``beat`` tells the other processes this one is still making progress.
+    ``beat(nbytes)`` tells the other processes this one has done one more unit of work (of
+    ``nbytes`` bytes). ``watch(done, bytes)`` is told the units and bytes done by all the
+    processes together, after each of this process's units and about once a second while it
+    waits for the others.
 
     Raises:
-        GradstatError: a process's error (the first, by process rank), on every process; or
-            the processes that stopped moving, by number, wherever they stopped.
+        StoppedTogether: a process's error (the first, by process rank), on every process.
+        GradstatError: the processes that stopped moving, by number, wherever they stopped.
     """
-    heartbeat = _Heartbeat(place, next(place._exchanges))
+    heartbeat = _Heartbeat(place, next(place._exchanges), watch)
     payload: dict[str, Any]
     try:
         payload = {"ok": compute(heartbeat.beat)}
     except GradstatError as error:
         payload = {"error": str(error)}
+    except OSError as error:  # a rank file that fails to read: named, as the CLI names it
+        where = f"{error.filename}: " if error.filename else ""
+        payload = {"error": f"{where}{error.strerror or error}"}
     blob = json.dumps(payload).encode()
     lengths = heartbeat.finish(len(blob))
     try:
@@ -311,27 +443,32 @@ def _gathered(place: Place, compute: Callable[[Callable[[], None]], Any]) -> lis
     gathered = [json.loads(blob) for blob in blobs]
     errors = [share["error"] for share in gathered if "error" in share]
     if errors:
-        raise GradstatError(errors[0])
+        _stop_together(place, errors[0])
     return [share["ok"] for share in gathered]
 
 
 class _Heartbeat:
     """Progress of every process in the launcher's key-value store, to name a lost one.
 
-    Each process counts the work it has finished (rank files, jobs); a process whose count has
-    not moved for ``timeout_s`` seconds while the others wait for it is declared lost, by every
-    other process. The others wait for it at three marks, each a key in the store that it sets:
-    its work done (with the length of what it sends), and the gather over, gone right or wrong.
-    A process that stops after its work is done therefore fails the gather for the others, and
-    is then found missing at the last mark instead of being lost among the gather's errors.
+    Each process counts the work it has finished (rank files, jobs) and its bytes; a process
+    whose count has not moved for ``timeout_s`` seconds while the others wait for it is declared
+    lost, by every process that waits for it (each says so: process 0 may be stopped first).
+    The others wait for it at three marks, each a key in the store that it sets: its work done
+    (with the length of what it sends), and the gather over, gone right or wrong. A process
+    that stops after its work is done therefore fails the gather for the others, and is then
+    found missing at the last mark instead of being lost among the gather's errors. ``watch``,
+    where given, is told the work done by all the processes together.
     """
 
-    def __init__(self, place: Place, exchange: int) -> None:
+    def __init__(
+        self, place: Place, exchange: int, watch: Callable[[int, int], None] | None = None
+    ) -> None:
         self.place = place
         self.exchange = exchange
+        self.watch = watch
         self.store = dist.distributed_c10d._get_default_store()
-        self.done = 0
-        self._set("progress", "0")
+        self.done = self.done_bytes = 0
+        self._set("progress", "0 0")
 
     def _key(self, kind: str, rank: int) -> str:
         return f"gradstat/{self.exchange}/{kind}/{rank}"
@@ -339,10 +476,25 @@ class _Heartbeat:
     def _set(self, kind: str, value: str) -> None:
         self.store.set(self._key(kind, self.place.rank), value)
 
-    def beat(self) -> None:
-        """One more unit of work done."""
+    def beat(self, nbytes: int = 0) -> None:
+        """One more unit of work done, of ``nbytes`` bytes."""
         self.done += 1
-        self._set("progress", str(self.done))
+        self.done_bytes += nbytes
+        self._set("progress", f"{self.done} {self.done_bytes}")
+        with suppress(RuntimeError):  # a store that is gone is named at the next wait
+            self._tell_watch()
+
+    def _tell_watch(self) -> None:
+        """Tell ``watch`` the units and bytes every process has done (those it has said)."""
+        if self.watch is None:
+            return
+        done, done_bytes = self.done, self.done_bytes
+        for rank in range(self.place.size):
+            key = self._key("progress", rank)
+            if rank != self.place.rank and self.store.check([key]):
+                units, nbytes = self.store.get(key).split()
+                done, done_bytes = done + int(units), done_bytes + int(nbytes)
+        self.watch(done, done_bytes)
 
     def finish(self, length: int) -> list[int]:
         """Say this process is done and sends ``length`` bytes, then wait for the others.
@@ -399,6 +551,7 @@ class _Heartbeat:
                 if now - looked < 1.0:
                     continue
                 looked = now
+                self._tell_watch()
                 lost = []
                 for rank, key in enumerate(keys):
                     if self.store.check([key]):

@@ -57,7 +57,8 @@ def test_more_processes_than_rank_files(tmp_path: Path) -> None:
     assert '"num_zeros": 2' in launched.stdout
 
 
-def test_bad_rank_file_stops_every_process_with_the_same_message(tmp_path: Path) -> None:
+def test_bad_rank_file_stops_every_process_with_one_line(tmp_path: Path) -> None:
+    """Every process meets the error; process 0 alone says it (issue 13)."""
     snapshot = tmp_path / "snapshot"
     shutil.copytree(SAMPLES / "gtp2-pp2-dp2-ep2", snapshot)
     broken = snapshot / "rank-00005.safetensors"
@@ -65,7 +66,8 @@ def test_bad_rank_file_stops_every_process_with_the_same_message(tmp_path: Path)
     result = _run("norm", str(snapshot), processes=3)
     assert result.returncode != 0
     message = f"gradstat: error: {broken}: header length"
-    assert result.stderr.count(message) == 3, result.stderr
+    assert result.stderr.count(message) == 1, result.stderr
+    assert len(_error_lines(result.stderr)) == 1, result.stderr
     # torchrun's own launcher prints a traceback when its children fail; none comes from ours.
     assert "gradstat/cli.py" not in result.stderr
     assert result.stdout == ""

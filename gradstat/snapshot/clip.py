@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -32,6 +33,32 @@ def check_output_dir(source_dir: Path, out: Path) -> None:
         raise SnapshotError(f"{out}: exists and is not an empty directory; choose a new one")
 
 
+def _make_parents(directory: Path) -> list[Path]:
+    """Create ``directory`` and its missing parents, as ``mkdir -p`` does.
+
+    Returns:
+        The directories created, outermost first (to be removed again if the write fails).
+    """
+    missing = []
+    while not directory.is_dir():
+        if directory.exists() or directory.is_symlink():
+            raise NotADirectoryError(errno.ENOTDIR, f"{directory} is not a directory")
+        missing.append(directory)
+        if directory.parent == directory:
+            break
+        directory = directory.parent
+    created = []
+    for path in reversed(missing):
+        try:
+            path.mkdir()
+        except FileExistsError:
+            if not path.is_dir():
+                raise
+            continue  # made meanwhile by someone else: not ours to remove
+        created.append(path)
+    return created
+
+
 def _scaled(rank_file: RankFile, coefficient: float) -> list[tuple[str, torch.Tensor]]:
     tensors = []
     with rank_file.params() as params:
@@ -53,18 +80,23 @@ def write_clipped(
 ) -> None:
     """Write every rank file scaled by ``coefficient`` (when < 1) into the new directory ``out``.
 
-    The files are written into a hidden sibling directory, fsynced, and the directory is renamed
-    to ``out`` last: a run killed midway leaves no ``out``, only a ``.NAME.partial-*`` directory.
+    Missing parents of ``out`` are created (and removed again when the write fails). The files
+    are written into a hidden sibling directory, fsynced, and the directory is renamed to
+    ``out`` last: a run killed midway leaves no ``out``, only a ``.NAME.partial-*`` directory.
 
     Raises:
         SnapshotError: an unusable ``out`` or a write failure, naming the path.
     """
     check_output_dir(snapshot.directory, out)
     parent = out.parent if str(out.parent) else Path(".")
+    created: list[Path] = []
     try:
+        created = _make_parents(parent)
         staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=parent))
     except OSError as error:
+        _remove(created)
         raise SnapshotError(f"{out}: cannot create it ({error.strerror or error})") from error
+    written = False
     try:
         for rank_file in snapshot.files:
             target = staging / rank_file.path.name
@@ -79,8 +111,20 @@ def write_clipped(
         if out.exists():
             out.rmdir()  # checked empty above; rename needs it gone or empty
         os.rename(staging, out)
+        written = True
     except OSError as error:
         raise SnapshotError(f"{out}: cannot write the clipped snapshot ({error})") from error
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
+        if not written:
+            _remove(created)
+
+
+def _remove(directories: list[Path]) -> None:
+    """Remove the directories ``_make_parents`` created, innermost first, where still empty."""
+    for directory in reversed(directories):
+        try:
+            directory.rmdir()
+        except OSError:
+            return
