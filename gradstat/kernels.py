@@ -150,13 +150,22 @@ class _Upcaster:
 
 
 def _rows_power_sum(grads: Sequence[Tensor], p: int, device: torch.device) -> Tensor:
-    """Sum of |x|^p (p = 1 or 2) from fp32 norms of ROW-element rows, combined in float64."""
+    """Sum of |x|^p (p = 1 or 2) from fp32 norms of ROW-element rows, combined in float64.
+
+    CPU bf16 squares go through the native kernel where it is built: it widens bf16 to fp32 in
+    registers, where the upcast to an fp32 buffer cost more than PyTorch's whole bf16 norm.
+    """
     rows = _RowNorms(p, device)
     upcasters: dict[torch.device, _Upcaster] = {}
+    native_sum = 0.0
     for grad in grads:
         flat = grad.reshape(-1)
         if flat.dtype in (torch.float32, torch.float64):
             rows.add(flat)
+            continue
+        fused = native.fused(flat) if p == 2 and flat.dtype == torch.bfloat16 else None
+        if fused is not None:
+            native_sum += fused.sum_squares
             continue
         upcaster = upcasters.get(flat.device)
         if upcaster is None:
@@ -164,7 +173,7 @@ def _rows_power_sum(grads: Sequence[Tensor], p: int, device: torch.device) -> Te
         upcaster.add(flat)
     for upcaster in upcasters.values():
         upcaster.flush()
-    return rows.total()
+    return rows.total() + native_sum
 
 
 def _foreach_power_sum(grads: Sequence[Tensor], p: int, device: torch.device) -> Tensor:

@@ -1,4 +1,5 @@
-"""gradstat's native kernel: fp32 sum of squares, zero count, max |x| and NaN in one pass.
+"""gradstat's native kernel: sum of squares, zero count, max |x| and NaN in one pass over an
+fp32 or bf16 tensor.
 
 PyTorch has no fused reduction for these, and its ``count_nonzero`` alone costs twice a sum.
 The C source ships with gradstat and is compiled on first use with the machine's C compiler
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FusedStats", "fused_f32", "native_kernel"]
+__all__ = ["FusedStats", "fused", "fused_f32", "native_kernel", "native_library"]
 
 _SOURCE = Path(__file__).with_name("_fused.c")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
@@ -89,8 +90,8 @@ def _load(target: Path) -> Any:
 
 
 @cache
-def native_kernel() -> Any:
-    """The compiled kernel's C function, or None where it cannot be built or loaded."""
+def native_library() -> Any:
+    """The compiled library, or None where it cannot be built or loaded."""
     if os.environ.get("GRADSTAT_NATIVE", "1") == "0" or not _SOURCE.exists():
         return None
     compiler = os.environ.get("CC") or "cc"
@@ -103,33 +104,47 @@ def native_kernel() -> Any:
     try:
         if not target.exists():
             _build(compiler, target)
-        function = _load(target).gradstat_fused_f32
+        library = _load(target)
     except (OSError, subprocess.SubprocessError):
         return None
-    function.restype = ctypes.c_int32
-    function.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_int32,
-        ctypes.POINTER(ctypes.c_double),
-        ctypes.POINTER(ctypes.c_int64),
-        ctypes.POINTER(ctypes.c_float),
-        ctypes.POINTER(ctypes.c_int32),
-    ]
-    return function
+    for dtype_name in _ENTRY_POINTS.values():
+        function = getattr(library, f"gradstat_fused_{dtype_name}")
+        function.restype = ctypes.c_int32
+        function.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int32,
+            ctypes.POINTER(ctypes.c_double),
+            ctypes.POINTER(ctypes.c_int64),
+            ctypes.POINTER(ctypes.c_float),
+            ctypes.POINTER(ctypes.c_int32),
+        ]
+    return library
 
 
-def fused_f32(grad: torch.Tensor) -> FusedStats | None:
-    """One pass over a CPU fp32 tensor; None when the kernel is unavailable or does not apply."""
-    if grad.device.type != "cpu" or grad.dtype != torch.float32:
+def native_kernel() -> Any:
+    """The compiled fp32 kernel's C function, or None where it cannot be built or loaded."""
+    library = native_library()
+    return None if library is None else library.gradstat_fused_f32
+
+
+# The element types the kernel reads, and the suffix of their entry points.
+_ENTRY_POINTS = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def fused(grad: torch.Tensor) -> FusedStats | None:
+    """One pass over a CPU fp32 or bf16 tensor (bf16 widened to fp32 in registers); None when
+    the kernel is unavailable or does not apply."""
+    dtype_name = _ENTRY_POINTS.get(grad.dtype)
+    if grad.device.type != "cpu" or dtype_name is None:
         return None
-    function = native_kernel()
-    if function is None:
+    library = native_library()
+    if library is None:
         return None
     flat = grad.contiguous()
     sum_squares, zeros = ctypes.c_double(), ctypes.c_int64()
     max_abs, has_nan = ctypes.c_float(), ctypes.c_int32()
-    status = function(
+    status = getattr(library, f"gradstat_fused_{dtype_name}")(
         flat.data_ptr(),
         flat.numel(),
         torch.get_num_threads(),
@@ -141,3 +156,8 @@ def fused_f32(grad: torch.Tensor) -> FusedStats | None:
     if status != 0:
         return None  # out of memory for the per-chunk sums: let PyTorch do it
     return FusedStats(sum_squares.value, zeros.value, max_abs.value, bool(has_nan.value))
+
+
+def fused_f32(grad: torch.Tensor) -> FusedStats | None:
+    """:func:`fused` for fp32 tensors only (the snapshot reader's and the zero count's path)."""
+    return fused(grad) if grad.dtype == torch.float32 else None

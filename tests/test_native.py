@@ -163,3 +163,33 @@ def test_many_tiny_tensors_keep_exact_statistics() -> None:
     grads[3][0] = math.nan
     stats = native.fused_f32(grads[3])
     assert stats is not None and stats.has_nan
+
+
+@needs_kernel
+@pytest.mark.parametrize("size", [1, 17, 513, 1_000_003])
+def test_bf16_statistics_match_float64(size: int) -> None:
+    """bf16 is widened to fp32 in registers: the same statistics as its fp32 copy."""
+    gen = torch.Generator().manual_seed(size)
+    grad = (torch.randn(size, generator=gen) * 3.0).bfloat16()
+    grad[5::5] = 0.0
+    stats = native.fused(grad)
+    assert stats is not None
+    assert rel_err(math.sqrt(stats.sum_squares), float64_norm([grad], 2)) <= 1e-6
+    assert stats.zeros == zeros_in([grad])
+    assert stats.max_abs == float(grad.abs().max()) and not stats.has_nan
+    grad[size // 2] = math.nan
+    stats = native.fused(grad)
+    assert stats is not None and stats.has_nan and math.isnan(stats.sum_squares)
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_bf16_l2_with_and_without_the_kernel(kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    import gradstat
+
+    if not kernel:
+        monkeypatch.setattr(native, "fused", lambda grad: None)
+    gen = torch.Generator().manual_seed(4)
+    grads = [(torch.randn(n, generator=gen) * 1e-3).bfloat16() for n in (3, 5000, 300_001)]
+    assert rel_err(gradstat.get_grad_norm_fp32(grads, 2), float64_norm(grads, 2)) <= 1e-6
+    grads[1][7] = math.inf
+    assert gradstat.get_grad_norm_fp32(grads, 2) == math.inf
