@@ -665,6 +665,45 @@ def inspect(
 
 
 @app.command()
+def history(
+    root: Annotated[
+        Path,
+        typer.Argument(
+            help="A directory of one run's snapshots (the flight recorder's step-N, or any).",
+            show_default=False,
+        ),
+    ],
+    norm_type: Annotated[
+        str, typer.Option("--norm-type", "-p", help="2, 1, inf, or any number p > 0.")
+    ] = "2",
+    factor: Annotated[
+        float,
+        typer.Option("--factor", help="A jump: the norm above this many times its earlier median."),
+    ] = 10.0,
+    top: Annotated[
+        int | None,
+        typer.Option("--top", min=1, help="Parameters in the table (20 unless given)."),
+    ] = None,
+    as_json: JsonOption = False,
+    status_file: StatusFileOption = None,
+) -> None:
+    """Norms and zero counts over a run's snapshots, and where each parameter first jumped.
+
+    Each snapshot is read once, in step order; hidden ones (.step-N.partial) are skipped. Exit
+    status 1 when a parameter's norm went NaN or Inf.
+    """
+    from .history import print_history, read_history
+
+    p = _parse_norm_type(norm_type)
+    if not (math.isfinite(factor) and factor > 1):
+        raise GradstatError(f"--factor must be a number > 1, got {factor}")
+    found = read_history(root, p, factor=factor)
+    _emit(as_json, found.to_json(), lambda console: print_history(console, found, top or 20))
+    if any(series.jump_kind == "nonfinite" for series in found.params.values()):
+        raise typer.Exit(EXIT_FINDINGS)
+
+
+@app.command()
 def version() -> None:
     """Print gradstat's version and the torch it runs on."""
     import torch

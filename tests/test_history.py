@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -84,3 +86,34 @@ def test_sparkline() -> None:
     assert sparkline([1.0, math.nan, 1.0]) == "▁!▁"
     assert sparkline([1.0, 1000.0, 10.0])[1] == "█"  # log scale past two decades
     assert sparkline([]) == ""
+
+
+def _gradstat(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gradstat", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_the_history_command_names_the_step_and_the_parameter(tmp_path: Path) -> None:
+    _run(tmp_path)
+    table = _gradstat("history", str(tmp_path))
+    assert table.returncode == 1, "a parameter went NaN: findings"
+    lines = table.stdout.splitlines()
+    assert f"{STEPS} snapshots, steps 1 .. {STEPS}" in lines[0]
+    spike_row = next(line for line in lines if "0.weight" in line)
+    assert f"norm at {SPIKE_AT}" in spike_row
+    assert f"nonfinite at {NAN_AT}" in next(line for line in lines if "2.weight" in line)
+    document = json.loads(_gradstat("history", str(tmp_path), "--json").stdout)
+    jumps = {row["name"]: row["first_jump"] for row in document["params"]}
+    assert jumps["0.weight"] == {"step": SPIKE_AT, "kind": "norm"}
+    assert len(document["snapshots"]) == STEPS
+
+
+def test_the_history_command_refuses_a_bad_root_in_one_line(tmp_path: Path) -> None:
+    result = _gradstat("history", str(tmp_path / "missing"))
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and "no such directory" in result.stderr
