@@ -302,7 +302,7 @@ def make_cases(
             lambda: gradstat.get_grad_norm_fp32(bf16_grads, 2),
             lambda: float(get_total_norm(bf16_grads, 2.0)),
             oracle_l2(bf16_cpu),
-            2.0,
+            1.0,
             bf16_bytes,
         ),
     ]
