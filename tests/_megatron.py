@@ -128,6 +128,8 @@ def megatron_view(layout: Layout) -> RankView:
 
     pp = ps.get_pipeline_model_parallel_rank()
     dense = {"tp": ps.get_tensor_model_parallel_rank(), "gtp": 0}
+    if layout.cp > 1:
+        dense["cp"] = ps.get_context_parallel_rank()
     dense |= {"dp": ps.get_data_parallel_rank(), "pp": pp}
     expert = {"etp": ps.get_expert_tensor_parallel_rank(), "egtp": 0}
     expert |= {"ep": ps.get_expert_model_parallel_rank()}
@@ -160,6 +162,7 @@ def run_parity(rank: int, world_size: int, arg: tuple[Layout, str]) -> dict[str,
     ps.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
         create_gloo_process_groups=False,
@@ -194,7 +197,8 @@ def _one_optimizer_setup(
     dense = [param for param in params if getattr(param, "allreduce", True)]
     experts = [param for param in params if not getattr(param, "allreduce", True)]
     if kind == "distopt":
-        dense = _layouts.fragments(dense, view.dense["dp"], layout.dp, stamp=True)
+        # Megatron's distributed optimizer shards dense params over DP x CP.
+        dense = _layouts.fragments(dense, *layout.dp_cp_place(view.dense), stamp=True)
         experts = _layouts.fragments(experts, view.expert["edp"], layout.edp, stamp=True)
         stats_groups = [ps.get_intra_distributed_optimizer_instance_group()] * 2
     else:
@@ -202,10 +206,11 @@ def _one_optimizer_setup(
         stats_groups.append(ps.get_expert_tensor_model_pipeline_parallel_group())
     out: dict[str, Any] = {}
     optimizers = []
-    for name, members, group in (
-        ("dense", dense, stats_groups[0]),
-        ("expert", experts, stats_groups[1]),
-    ):
+    # A model without experts has no expert optimizer (Megatron makes none).
+    parts = [("dense", dense, stats_groups[0])]
+    if layout.moe:
+        parts.append(("expert", experts, stats_groups[1]))
+    for name, members, group in parts:
         optimizer = _stand_in_optimizer(members, group, tp_group)
         optimizers.append(optimizer)
         megatron_selected = optimizer.get_main_grads_for_grad_norm()

@@ -189,3 +189,39 @@ def test_a_snapshot_dumped_from_live_megatron_gives_megatrons_numbers(
         other = _cli("norm", str(snapshots / kind), "-p", flag)
         assert rel_err(other["total_norm"], oracle["total"]["norms"][p]) <= SNAPSHOT_RTOL
     assert _cli("audit", str(snapshots / kind))["findings"] == []
+
+
+CP_LAYOUT = Layout("tp2-cp2-dp2", tp=2, cp=2, dp=2)
+
+
+@pytest.fixture(scope="module")
+def cp_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    run_dir = tmp_path_factory.mktemp("megatron-parity-cp")
+    snapshots = tmp_path_factory.mktemp("megatron-snapshots-cp")
+    case = Case("parity", run_parity, (CP_LAYOUT, str(snapshots)))
+    return launch(CP_LAYOUT.world_size, run_dir, [case], timeout_s=400).values("parity")
+
+
+def test_context_parallel_statistics_equal_megatrons_and_float64(
+    cp_ranks: list[dict[str, Any]],
+) -> None:
+    """TP=2 x CP=2 x DP=2 under Megatron's parallel_state: CP ranks hold copies; the plain
+    optimizer reduces over its model-parallel group (CP left out), the distributed one shards
+    over DP x CP and reduces over every rank. Megatron's own functions and gradstat's agree."""
+    grads = _layouts.oracle_grads(moe=False)["dense"]
+    for rank, result in enumerate(cp_ranks):
+        dense, _expert = result["coords"]
+        assert dense == _layouts._coords(rank, CP_LAYOUT.dense_axes())
+        for kind in ("plain", "distopt"):
+            stats = result[kind]["dense"]
+            assert stats["same_selection"] and stats["same_bare_selection"], (rank, kind)
+            for p in NORM_TYPES:
+                megatron, ours = stats["megatron"]["norms"][p], stats["gradstat"]["norms"][p]
+                expected = float64_norm(grads, p)
+                if p == math.inf:
+                    assert megatron == ours == expected
+                else:
+                    assert rel_err(megatron, expected) <= MEGATRON_RTOL, (rank, kind, p)
+                    assert rel_err(ours, expected) <= GRADSTAT_RTOL, (rank, kind, p)
+            zeros = stats["megatron"]["zeros"], stats["gradstat"]["zeros"]
+            assert zeros == (zeros_in(grads),) * 2, (rank, kind)
