@@ -12,10 +12,14 @@ torch-native jobs; in a live Megatron job, Megatron's selection and
 :func:`gradstat.get_grad_norm_fp32` over its model-parallel group), checks its triggers, and all
 ranks agree on them with one all-reduce of four integers, so a snapshot is never partial because
 one rank decided otherwise. When a trigger fires, every rank dumps its gradients
-(:func:`gradstat.snapshot.dump_rank`) into ``.step-N.partial/``; rank 0 waits a bounded time for
-all rank files and renames the directory to ``step-N``. A snapshot that is still ``.partial``
-(a rank was killed, the disk is too slow) never reads as complete: its rank files are missing,
-and ``gradstat history`` skips it. Rank 0 keeps the ``keep`` newest complete snapshots.
+(:func:`gradstat.snapshot.dump_rank`) into ``.step-N.partial/`` on a thread, and the step waits
+for it at most ``max_dump_s``; rank 0 then waits a bounded time for all rank files and renames
+the directory to ``step-N``. A write that outlasts ``max_dump_s`` (a slow disk) is abandoned:
+training goes on, the rank marks the directory, and it is never renamed, since its gradients
+change from then on; triggers are skipped (all ranks agree) until the write is over. A snapshot
+that stays ``.partial`` (a rank killed, a write abandoned) never reads as complete: its rank
+files are missing or it is hidden, and ``gradstat history`` skips it. Rank 0 keeps the ``keep``
+newest complete snapshots.
 
 Triggers, each named in the snapshot's metadata: ``nonfinite`` (the norm is NaN or inf),
 ``spike`` (the norm is above ``spike`` times the median of the last ``window`` finite norms),
@@ -30,6 +34,7 @@ import re
 import shutil
 import statistics
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -54,6 +59,7 @@ from .snapshot.format import FILE_PATTERN
 __all__ = ["TRIGGERS", "Recorder", "StepRecord", "complete_snapshots"]
 
 TRIGGERS = ("nonfinite", "spike", "step", "every")
+_ABANDONED = ".abandoned-rank-{rank:05d}"
 _COMPLETE = re.compile(r"^step-(\d+)$")
 
 
@@ -120,6 +126,9 @@ class Recorder:
         mesh: a DeviceMesh for :func:`gradstat.snapshot.dump_rank`.
         finalize_timeout_s: how long rank 0 waits for the other ranks' files before leaving
             the snapshot incomplete with a one-line warning.
+        max_dump_s: how long a step waits for its rank's dump (written on a thread); past
+            that, training goes on, the snapshot is abandoned (never renamed complete) with a
+            one-line warning, and triggers are skipped until the write is over.
 
     Raises:
         ValueError: bad arguments.
@@ -143,13 +152,14 @@ class Recorder:
         coords: Mapping[str, Sequence[int]] | None = None,
         mesh: Any = None,
         finalize_timeout_s: float = 60.0,
+        max_dump_s: float = 120.0,
     ) -> None:
         if spike is not None and not spike > 1.0:
             raise ValueError(f"spike must be a factor > 1, got {spike!r}")
         if window < 1 or warmup < 1 or keep < 1 or (every is not None and every < 1):
             raise ValueError("window, warmup, keep and every must be >= 1")
-        if not finalize_timeout_s > 0:
-            raise ValueError(f"finalize_timeout_s must be > 0, got {finalize_timeout_s!r}")
+        if not (finalize_timeout_s > 0 and max_dump_s > 0):
+            raise ValueError("finalize_timeout_s and max_dump_s must be > 0")
         self.pairs = named_gradients(model)
         self.directory = Path(directory)
         self.norm_type = check_norm_type(norm_type)
@@ -160,7 +170,9 @@ class Recorder:
         self.grad_attr = grad_attr or ("main_grad" if has_main else "grad")
         self.distributed_optimizer = distributed_optimizer
         self.coords, self.mesh = coords, mesh
-        self.finalize_timeout_s = finalize_timeout_s
+        self.finalize_timeout_s, self.max_dump_s = finalize_timeout_s, max_dump_s
+        self._writer: threading.Thread | None = None
+        self._writing: int | None = None
         self.history: deque[float] = deque(maxlen=window)
         self.records: list[StepRecord] = []
 
@@ -198,11 +210,19 @@ class Recorder:
         """
         number = int(step.item()) if isinstance(step, torch.Tensor) else int(step)
         norm = self.norm()
-        wanted = self._agree(self._triggers(number, norm))
+        busy = self._writer is not None and self._writer.is_alive()
+        *wanted, anyone_busy = self._agree([*self._triggers(number, norm), busy])
         triggers = tuple(name for name, on in zip(TRIGGERS, wanted, strict=True) if on)
         if math.isfinite(norm):
             self.history.append(norm)
-        snapshot = self._dump(number, triggers) if triggers else None
+        snapshot = None
+        if triggers and anyone_busy:
+            _warn(
+                f"step {number} ({', '.join(triggers)}): a rank is still writing the snapshot "
+                f"of step {self._writing}; this one is skipped"
+            )
+        elif triggers:
+            snapshot = self._dump(number, triggers)
         self.records.append(StepRecord(number, norm, triggers, snapshot))
         return norm
 
@@ -214,7 +234,8 @@ class Recorder:
         return [not math.isfinite(norm), spiked, step in self.steps, every]
 
     def _agree(self, flags: list[bool]) -> list[bool]:
-        """Every rank takes a trigger any rank saw: one all-reduce of four integers."""
+        """Every rank takes a trigger any rank saw, and knows whether any rank is still writing:
+        one all-reduce of five integers."""
         if not (dist.is_available() and dist.is_initialized()):
             return flags
         device = stats_device([], None)
@@ -223,33 +244,50 @@ class Recorder:
         return [bool(value) for value in tensor.tolist()]
 
     def _dump(self, step: int, triggers: tuple[str, ...]) -> Path | None:
+        """Write this rank's file (rank 0 then finalizes) on a thread, and wait for it at most
+        ``max_dump_s``: past that, training goes on and the snapshot is abandoned, marked so
+        that it is never renamed complete (its gradients change from here on)."""
         final = self.directory / f"step-{step:08d}"
         partial = self.directory / f".step-{step:08d}.partial"
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        try:
-            path = dump_rank(
-                partial,
-                self.pairs,
-                step=step,
-                grad_attr=self.grad_attr,
-                distributed_optimizer=self.distributed_optimizer,
-                coords=self.coords,
-                mesh=self.mesh,
-                triggers=triggers,
-            )
-        except (GradstatError, OSError, ValueError) as error:
-            _warn(f"step {step}: rank {rank} could not dump ({error}); training goes on")
-            return None
-        if rank != 0:
-            return final
-        world_size = dist.get_world_size() if dist.is_initialized() else 1
-        if not self._wait_for_all(partial, world_size, path):
-            return None
-        os.replace(partial, final)
-        self._retain()
-        return final
+        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
-    def _wait_for_all(self, partial: Path, world_size: int, mine: Path) -> bool:
+        def write() -> None:
+            try:
+                dump_rank(
+                    partial,
+                    self.pairs,
+                    step=step,
+                    grad_attr=self.grad_attr,
+                    distributed_optimizer=self.distributed_optimizer,
+                    coords=self.coords,
+                    mesh=self.mesh,
+                    triggers=triggers,
+                )
+            except (GradstatError, OSError, ValueError) as error:
+                _warn(f"step {step}: rank {rank} could not dump ({error}); training goes on")
+                return
+            if rank == 0 and self._wait_for_all(partial, world_size):
+                if any(partial.glob(".abandoned-rank-*")):
+                    return  # a rank gave up waiting for its write: its file may be torn
+                os.replace(partial, final)
+                self._retain()
+
+        self._writer = threading.Thread(target=write, name=f"gradstat-dump-{step}", daemon=True)
+        self._writing = step
+        self._writer.start()
+        self._writer.join(self.max_dump_s)
+        if self._writer.is_alive():
+            partial.mkdir(parents=True, exist_ok=True)
+            (partial / _ABANDONED.format(rank=rank)).touch()
+            _warn(
+                f"step {step}: rank {rank} still writing after {self.max_dump_s:g} s (a slow "
+                f"disk?); training goes on and {partial.name} stays incomplete"
+            )
+            return None
+        return final if rank != 0 or final.exists() else None
+
+    def _wait_for_all(self, partial: Path, world_size: int) -> bool:
         deadline = time.monotonic() + self.finalize_timeout_s
         expected = [partial / FILE_PATTERN.format(rank=rank) for rank in range(world_size)]
         while True:

@@ -230,3 +230,41 @@ def test_megatron_loop_norm_and_snapshot_are_the_float64_ones(tmp_path: Path) ->
     code, document, stderr = _cli_norm(snapshot)
     assert step == 2 and code == 0 and document is not None, stderr
     assert rel_err(document["total_norm"], 4 * float64_norm(full, 2)) <= 1e-7
+
+
+def test_a_write_slower_than_max_dump_s_is_abandoned_and_training_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A slow disk, made deterministic: the dump waits on an event that the test sets only
+    after the recorder has given up waiting and a second trigger has been skipped."""
+    import threading
+
+    from gradstat import recorder as recorder_module
+
+    release, real_dump = threading.Event(), recorder_module.dump_rank
+
+    def slow_dump(*args: Any, **kwargs: Any) -> Path:
+        release.wait()
+        return real_dump(*args, **kwargs)
+
+    monkeypatch.setattr(recorder_module, "dump_rank", slow_dump)
+    model = torch.nn.Linear(4, 3)
+    recorder = gradstat.Recorder(model, tmp_path, steps=[1, 2], spike=None, max_dump_s=0.2)
+    for step in (1, 2):
+        model.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        recorder.step(step)
+    assert [(r.step, r.triggers, r.snapshot) for r in recorder.records] == [
+        (1, ("step",), None),
+        (2, ("step",), None),
+    ]
+    messages = capsys.readouterr().err.splitlines()
+    assert "still writing after 0.2 s" in messages[0] and "stays incomplete" in messages[0]
+    assert "still writing the snapshot of step 1; this one is skipped" in messages[1]
+    release.set()
+    assert recorder._writer is not None
+    recorder._writer.join()
+    assert complete_snapshots(tmp_path) == [], "an abandoned write is never renamed complete"
+    (partial,) = tmp_path.iterdir()
+    assert partial.name == ".step-00000001.partial"
+    assert (partial / ".abandoned-rank-00000").exists()
