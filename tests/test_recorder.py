@@ -187,6 +187,8 @@ LAYOUT = Layout("tp2", tp=2)
 
 
 def _megatron_loop(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    """The README's recorder recipes on a Megatron TP=2 layout under Megatron's parallel_state:
+    a NaN at NAN_STEP on rank 0's embedding shard, a 1000x blow-up at SPIKE_STEP."""
     from megatron.core import parallel_state
 
     from tests._megatron import megatron_view
@@ -196,40 +198,46 @@ def _megatron_loop(rank: int, world_size: int, directory: str) -> dict[str, Any]
     )
     try:
         params = _layouts.local_params(LAYOUT, megatron_view(LAYOUT))
+        clean = [param.grad.clone() for param in params]
         named = [(param._gradstat_name, param) for param in params]
         namespace: dict[str, Any] = {"model": named, "directory": directory}
-        # The README's setup, with a listed step instead of the spike trigger.
-        setup = recipe("recorder_setup").replace("spike=10.0, keep=3", "steps=[2], spike=None")
-        exec(setup, namespace)
+        exec(recipe("recorder_setup"), namespace)
         recorder = namespace["recorder"]
         norms = {}
-        for step in (1, 2, 3):
-            for param in params:
-                param.grad.mul_(2.0**step)  # a power of two: the scaled fp32 values are exact
+        for step in range(1, STEPS + 1):
+            for param, grad in zip(params, clean, strict=True):
+                param.grad.copy_(grad)
+            if step != NAN_STEP or rank == 0:
+                _plant([param.grad for param in params], step)
             exec(recipe("recorder_step"), namespace | {"step": step})
             norms[step] = recorder.records[-1].norm
-            for param in params:
-                param.grad.div_(2.0**step)
-        return {"norms": norms, "triggers": [r.triggers for r in recorder.records]}
+        fired = [(r.step, r.triggers) for r in recorder.records if r.triggers]
+        return {"norms": norms, "fired": fired}
     finally:
         parallel_state.destroy_model_parallel()
 
 
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")
 @pytest.mark.filterwarnings("ignore:Transformer Engine and Apex are not installed:UserWarning")
-def test_megatron_loop_norm_and_snapshot_are_the_float64_ones(tmp_path: Path) -> None:
+def test_megatron_loop_catches_the_nan_and_the_spike(tmp_path: Path) -> None:
     dumps = tmp_path / "dumps"
     case = Case("megatron", _megatron_loop, str(dumps))
     ranks = launch(2, _run_dir(tmp_path), [case], timeout_s=300).values("megatron")
-    full = _layouts.oracle_grads(moe=False)["total"]
+    full = float64_norm(_layouts.oracle_grads(moe=False)["total"], 2)
     for result in ranks:
         for step, norm in result["norms"].items():
-            assert rel_err(norm, 2.0**step * float64_norm(full, 2)) <= 1e-9, step
-        assert result["triggers"] == [(), ("step",), ()]
-    ((step, snapshot),) = complete_snapshots(dumps)
-    code, document, stderr = _cli_norm(snapshot)
-    assert step == 2 and code == 0 and document is not None, stderr
-    assert rel_err(document["total_norm"], 4 * float64_norm(full, 2)) <= 1e-7
+            if step == NAN_STEP:
+                assert math.isnan(norm)
+            elif step == SPIKE_STEP:  # each fp32 element rounded once by the x1000
+                assert rel_err(norm, 1000.0 * full) <= 1e-6
+            else:
+                assert rel_err(norm, full) <= 1e-9, step
+        assert result["fired"] == [(NAN_STEP, ("nonfinite",)), (SPIKE_STEP, ("spike",))]
+    snapshots = dict(complete_snapshots(dumps))
+    assert sorted(snapshots) == [NAN_STEP, SPIKE_STEP]
+    code, document, stderr = _cli_norm(snapshots[SPIKE_STEP])
+    assert code == 0 and document is not None, stderr
+    assert rel_err(document["total_norm"], ranks[0]["norms"][SPIKE_STEP]) <= 1e-7
 
 
 def test_a_write_slower_than_max_dump_s_is_abandoned_and_training_goes_on(
