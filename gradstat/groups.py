@@ -31,6 +31,8 @@ __all__ = [
     "group_ranks",
     "group_size",
     "is_dtensor",
+    "megatron_gtp_group",
+    "megatron_state",
     "reduce_over_mesh",
     "split_by_mesh",
     "stats_device",
@@ -78,6 +80,35 @@ def group_rank(group: RankLike | None) -> int:
 def group_size(group: RankLike | None) -> int:
     """The number of ranks in ``group``; 1 when the axis is not split (``None``)."""
     return 1 if group is None else int(group.size())
+
+
+# parallel_state's getters of the GTP weight-rematerialisation groups (megatron-core 0.19+).
+_MEGATRON_GTP_GROUPS = {
+    "gtp": "get_gtp_weight_remat_group",
+    "egtp": "get_expert_gtp_weight_remat_group",
+}
+
+
+def megatron_state() -> Any:
+    """Megatron's ``parallel_state`` when the job has imported and initialised it, else None.
+
+    A Megatron job has imported it; gradstat never imports Megatron itself (that would cost a
+    torch-native job seconds).
+    """
+    state = sys.modules.get("megatron.core.parallel_state")
+    if state is None or not state.model_parallel_is_initialized():
+        return None
+    return state
+
+
+def megatron_gtp_group(state: Any, axis: str) -> Any:
+    """The GTP ("gtp") or expert GTP ("egtp") group of a live ``parallel_state``; None where
+    the version has none or the job did not set it up."""
+    getter = getattr(state, _MEGATRON_GTP_GROUPS[axis], None)
+    try:
+        return getter() if getter is not None else None
+    except AssertionError:  # that axis was not set up in this job
+        return None
 
 
 def _distributed_ready() -> bool:

@@ -8,11 +8,10 @@ alignment padding: zero rows that were never gradients and must not count as zer
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from .errors import AttributeMismatchError
-from .groups import RankLike, group_rank, group_size
+from .groups import RankLike, group_rank, group_size, megatron_gtp_group, megatron_state
 
 __all__ = [
     "gtp_local_pad_zero_count",
@@ -35,13 +34,8 @@ def param_is_not_shared(param: Any) -> bool:
     return not getattr(param, "shared", False)
 
 
-# Where Megatron's parallel_state keeps an axis's rank in a live job: a rank accessor, or a
-# group accessor (GTP, in megatron-core versions that have it).
+# Megatron's parallel_state getters of a TP axis's rank in a live job.
 _MEGATRON_RANKS = {"tp": "get_tensor_model_parallel_rank", "etp": "get_expert_tensor_parallel_rank"}
-_MEGATRON_GROUPS = {
-    "gtp": "get_gtp_weight_remat_group",
-    "egtp": "get_expert_gtp_weight_remat_group",
-}
 
 
 def megatron_rank(axis: str) -> int:
@@ -51,18 +45,12 @@ def megatron_rank(axis: str) -> int:
     Megatron's own predicates do when no group is given; 0 (the axis is not split) anywhere
     else. gradstat never imports Megatron itself.
     """
-    state = sys.modules.get("megatron.core.parallel_state")
+    state = megatron_state()
     if state is None:
         return 0
-    try:
-        if not state.model_parallel_is_initialized():
-            return 0
-        if axis in _MEGATRON_RANKS:
-            return int(getattr(state, _MEGATRON_RANKS[axis])())
-        accessor = getattr(state, _MEGATRON_GROUPS[axis], None)
-        group = accessor() if accessor is not None else None
-    except AssertionError:  # that axis was not set up: it is not split
-        return 0
+    if axis in _MEGATRON_RANKS:
+        return int(getattr(state, _MEGATRON_RANKS[axis])())
+    group = megatron_gtp_group(state, axis)
     return 0 if group is None else int(group.rank())
 
 

@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from .clip_grads import check_norm_type, get_grad_norm_fp32, total_norm
 from .errors import GradstatError
-from .groups import stats_device
+from .groups import megatron_state, stats_device
 from .predicates import (
     param_is_not_gtp_duplicate,
     param_is_not_shared,
@@ -81,13 +81,6 @@ def complete_snapshots(directory: str | os.PathLike[str]) -> list[tuple[int, Pat
         if match and path.is_dir():
             found.append((int(match.group(1)), path))
     return sorted(found)
-
-
-def _megatron_live() -> Any:
-    state = sys.modules.get("megatron.core.parallel_state")
-    if state is not None and state.model_parallel_is_initialized():
-        return state
-    return None
 
 
 def _counts_in_megatron(param: Any) -> bool:
@@ -179,7 +172,7 @@ class Recorder:
     def norm(self) -> float:
         """The global norm of the gradients as they are now (a collective: every rank calls)."""
         params = [param for _, param in self.pairs]
-        megatron = _megatron_live()
+        megatron = megatron_state()
         if megatron is None:
             if self.grad_attr == "grad":
                 return total_norm(params, self.norm_type, group=self.group)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import inspect
 import os
 import re
-import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import SnapshotError
+from ..groups import megatron_gtp_group, megatron_state
 from .format import AXES
 from .writer import save_rank
 
@@ -40,14 +40,6 @@ _MEGATRON_GETTERS = (
 )
 
 
-# (axis, parallel_state group getter) of the GTP weight-rematerialisation axes, in
-# megatron-core versions that have them.
-_MEGATRON_GTP_GROUPS = (
-    ("gtp", "get_gtp_weight_remat_group"),
-    ("egtp", "get_expert_gtp_weight_remat_group"),
-)
-
-
 def _call_without(fn: Any, **options: bool) -> int:
     """``fn(**options)`` with only the options its signature takes (versions differ)."""
     try:
@@ -68,10 +60,8 @@ def coords_from_megatron() -> dict[str, list[int]] | None:
     the GTP ranks into dp). GTP and EGTP come from Megatron's GTP groups where the version has
     them.
     """
-    # A Megatron job has imported it; importing Megatron here would only cost a torch-native
-    # job seconds.
-    state: Any = sys.modules.get("megatron.core.parallel_state")
-    if state is None or not state.model_parallel_is_initialized():
+    state = megatron_state()
+    if state is None:
         return None
     coords = {}
     for axis, rank_getter, size_getter in _MEGATRON_GETTERS:
@@ -82,12 +72,8 @@ def coords_from_megatron() -> dict[str, list[int]] | None:
         if axis == "dp":
             options["with_context_parallel"] = False
         coords[axis] = [_call_without(rank_fn, **options), _call_without(size_fn, **options)]
-    for axis, group_getter in _MEGATRON_GTP_GROUPS:
-        getter = getattr(state, group_getter, None)
-        try:
-            group = getter() if getter is not None else None
-        except AssertionError:  # GTP was not set up in this job
-            group = None
+    for axis in ("gtp", "egtp"):
+        group = megatron_gtp_group(state, axis)
         if group is not None:
             coords[axis] = [int(group.rank()), int(group.size())]
     return coords
