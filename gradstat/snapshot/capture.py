@@ -1,10 +1,16 @@
-"""dump_rank: one call from a live training job, which works out the rank's place itself."""
+"""dump_rank: one call from a live training job, which works out the rank's place itself.
+
+With Megatron's distributed optimizer the call also takes the optimizer: after the gradient
+reduce-scatter a rank's ``main_grad`` holds reduced values only in the range that rank's
+optimizer owns, so that range is what the rank dumps (:func:`optimizer_fragments`).
+"""
 
 from __future__ import annotations
 
 import inspect
 import os
 import re
+import types
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -14,7 +20,8 @@ import torch.distributed as dist
 
 from ..errors import SnapshotError
 from ..groups import megatron_gtp_group, megatron_state
-from .format import AXES
+from ..predicates import gtp_local_pad_zero_count
+from .format import AXES, PLAIN_ATTRS
 from .writer import save_rank
 
 __all__ = [
@@ -23,6 +30,7 @@ __all__ = [
     "dump_rank",
     "logical_name",
     "named_gradients",
+    "optimizer_fragments",
 ]
 
 # DeviceMesh dimension names that together make up the data-parallel axis (FSDP2 / HSDP).
@@ -194,10 +202,166 @@ def named_gradients(
     return pairs
 
 
+# A fragment carries its model parameter's attributes; where it lies is its own.
+_FRAGMENT_ATTRS = tuple(
+    key for key in PLAIN_ATTRS if key not in ("gtp_pad_zeros", "fragment_offset", "fragment_shape")
+)
+
+
+def _optimizer_parts(optimizer: Any) -> list[Any]:
+    """The innermost Megatron optimizers of ``optimizer``, stubs left out.
+
+    A ``ChainedOptimizer`` (dense + expert) lists them in ``chained_optimizers``; a wrapper
+    holds a Megatron optimizer (not a torch one) as ``optimizer``. A stub (a rank whose
+    parameters are all frozen) owns nothing.
+    """
+    parts, pending = [], [optimizer]
+    while pending:
+        current = pending.pop()
+        chained = getattr(current, "chained_optimizers", None)
+        inner = getattr(current, "optimizer", None)
+        if chained is not None:
+            pending.extend(reversed(list(chained)))
+        elif (
+            not hasattr(current, "gbuf_ranges")
+            and inner is not None
+            and not isinstance(inner, torch.optim.Optimizer)
+        ):
+            pending.append(inner)
+        elif not getattr(current, "is_stub_optimizer", False):
+            parts.append(current)
+    return parts
+
+
+def _owned_ranges(part: Any) -> Iterable[tuple[Any, int, int]]:
+    """``(model_param, start, end)`` for each parameter a DistributedOptimizer owns a range of.
+
+    ``gbuf_ranges`` holds, per grad buffer, per (param dtype, grad dtype), per bucket, a
+    ``param_map`` whose ``"param"`` range is where this rank's shard lies in the flattened
+    parameter: the slice of ``main_grad`` the optimizer copies into its main-param grad.
+    (megatron-core 0.16 to 0.19 agree on this.)
+    """
+    for buffer_ranges in part.gbuf_ranges:
+        for bucket_ranges in buffer_ranges.values():
+            for bucket in bucket_ranges:
+                for param, ranges in bucket["param_map"].items():
+                    param_range = ranges["param"]
+                    yield param, int(param_range.start), int(param_range.end)
+
+
+def _distributed_ranges(optimizer: Any) -> dict[int, tuple[Any, int, int]] | None:
+    """The ranges the optimizer owns on this rank by ``id(model_param)``; None when it is not
+    a distributed optimizer.
+
+    Raises:
+        SnapshotError: distributed and plain parts mixed, a parameter owned twice, or a range
+            map this version of gradstat cannot read.
+    """
+    parts = _optimizer_parts(optimizer)
+    distributed = [part for part in parts if hasattr(part, "gbuf_ranges")]
+    if not distributed:
+        return None
+    if len(distributed) != len(parts):
+        plain = next(part for part in parts if not hasattr(part, "gbuf_ranges"))
+        raise SnapshotError(
+            f"the optimizer mixes distributed parts with a plain {type(plain).__name__}; "
+            "a snapshot is all fragments or all whole gradients"
+        )
+    ranges: dict[int, tuple[Any, int, int]] = {}
+    for part in distributed:
+        try:
+            owned = list(_owned_ranges(part))
+        except (AttributeError, KeyError, TypeError, ValueError) as error:
+            raise SnapshotError(
+                f"cannot read the range map (gbuf_ranges) of {type(part).__name__}: {error!r}; "
+                "this megatron-core version lays it out differently from 0.16-0.19"
+            ) from error
+        for param, start, end in owned:
+            if id(param) in ranges:
+                raise SnapshotError(
+                    f"a parameter of shape {list(param.shape)} is owned by two optimizers"
+                )
+            ranges[id(param)] = (param, start, end)
+    return ranges
+
+
+def _fragment(param: Any, start: int, end: int) -> types.SimpleNamespace:
+    """What :func:`save_rank` reads of one fragment: attributes, ``main_grad``, shape."""
+    grad = param.main_grad.view(-1)[start:end]
+    attrs = {key: getattr(param, key) for key in _FRAGMENT_ATTRS if hasattr(param, key)}
+    if getattr(param, "is_gtp_weight_remat", False):
+        attrs["group"] = getattr(param, "group", None)
+        attrs["gtp_pad_zeros"] = gtp_local_pad_zero_count(param, start, end)
+    return types.SimpleNamespace(
+        **attrs,
+        fragment_offset=start,
+        fragment_shape=list(param.shape),
+        main_grad=grad,
+        shape=grad.shape,
+    )
+
+
+def optimizer_fragments(
+    model: torch.nn.Module | Sequence[torch.nn.Module] | Iterable[tuple[str, Any]],
+    optimizer: Any,
+) -> list[tuple[str, Any]] | None:
+    """This rank's distributed-optimizer fragments, named as :func:`named_gradients` names
+    the model's parameters; None when ``optimizer`` is not a distributed optimizer.
+
+    For each model parameter Megatron's ``DistributedOptimizer`` owns a range of on this rank
+    (a ``ChainedOptimizer`` of them, or a wrapper, too): the range of
+    ``param.main_grad.view(-1)``, carrying the parameter's Megatron attributes,
+    ``fragment_offset`` (the range's start) and ``fragment_shape`` (the parameter's shape);
+    GTP shards also get ``gtp_pad_zeros``, the padding inside the range. Megatron is never
+    imported: the optimizer is read through its ``chained_optimizers`` and ``gbuf_ranges``.
+
+    Raises:
+        SnapshotError: the optimizer owns a parameter ``model`` does not have, a parameter
+            has no ``main_grad``, or the optimizer cannot be read (see _distributed_ranges).
+    """
+    ranges = _distributed_ranges(optimizer)
+    if ranges is None:
+        return None
+    fragments = []
+    for name, param in named_gradients(model):
+        owned = ranges.pop(id(param), None)
+        if owned is None:
+            continue
+        if getattr(param, "main_grad", None) is None:
+            raise SnapshotError(
+                f"parameter {name!r} has no .main_grad: dump after backward and the gradient "
+                "reduce-scatter, before zero_grad"
+            )
+        fragments.append((name, _fragment(*owned)))
+    if ranges:
+        param, _, _ = next(iter(ranges.values()))
+        raise SnapshotError(
+            f"the optimizer owns {len(ranges)} parameters the model does not have (the first of "
+            f"shape {list(param.shape)}): pass the model chunks the optimizer was built for"
+        )
+    return fragments
+
+
+def _uses_distributed_optimizer(model: Any) -> bool:
+    """Whether Megatron's DDP says its chunks use the distributed optimizer (ddp_config)."""
+    if isinstance(model, torch.nn.Module):
+        chunks: Sequence[Any] = [model]
+    elif isinstance(model, Sequence):
+        chunks = model
+    else:
+        return False
+    return any(
+        getattr(getattr(chunk, "ddp_config", None), "use_distributed_optimizer", False) is True
+        for chunk in chunks
+        if isinstance(chunk, torch.nn.Module)
+    )
+
+
 def dump_rank(
     directory: str | os.PathLike[str],
     model: torch.nn.Module | Sequence[torch.nn.Module] | Iterable[tuple[str, Any]],
     *,
+    optimizer: Any = None,
     step: int | torch.Tensor | None = None,
     grad_attr: str | None = None,
     distributed_optimizer: bool = False,
@@ -208,20 +372,30 @@ def dump_rank(
 ) -> Path:
     """Dump this rank of a live job: coordinates and names worked out, then :func:`save_rank`.
 
+    Call it on every rank after backward and the gradient reduction (Megatron's
+    ``finalize_model_grads``) and before ``optimizer.step()`` and ``zero_grad``.
+
     Coordinates come from, in order: ``coords``; ``mesh`` (a DeviceMesh); Megatron's
     ``parallel_state`` when it is importable and initialized; else plain data parallelism over
     the torch.distributed world. Explicit ``coords`` entries override discovered ones. DTensor
     gradients (FSDP2, HSDP, TP x FSDP2) need none of it: their placements, recorded with their
     mesh, decide what counts.
 
+    With Megatron's distributed optimizer pass it as ``optimizer``: each rank then dumps the
+    fragments it owns (:func:`optimizer_fragments`), the only part of its ``main_grad`` that
+    holds reduced values after the reduce-scatter, with ``distributed_optimizer`` set. A plain
+    optimizer changes nothing.
+
     Args:
         directory: the snapshot directory, the same on every rank.
         model: a module, a list of model chunks, or ``(name, param)`` pairs.
+        optimizer: Megatron's optimizer (what ``get_megatron_optimizer`` returns); needed when
+            the model's DDP uses the distributed optimizer.
         step: the training step, an int or a 0-d integer tensor.
         grad_attr: "grad", "main_grad" or "decoupled_grad"; None: "main_grad" when any
-            parameter has one (Megatron's DDP), else "grad".
+            parameter has one (Megatron's DDP), else "grad". Fragments are always "main_grad".
         distributed_optimizer: the gradients are disjoint shards across data-parallel ranks
-            (Megatron's distributed optimizer fragments, FSDP).
+            (fragments named by hand, FSDP); set for you with a distributed ``optimizer``.
         coords: ``{axis: [rank_on_axis, axis_size]}``, overriding what is discovered.
         mesh: a DeviceMesh whose dimension names are gradstat axes.
         overwrite: replace an existing rank file.
@@ -232,8 +406,11 @@ def dump_rank(
 
     Raises:
         SnapshotError: no parameter has a gradient (dumped before backward, or after
-            ``zero_grad``), or the rank file cannot be written.
-        ValueError: bad arguments (a step that is not an integer, unknown axes, ...).
+            ``zero_grad``); the model's DDP uses the distributed optimizer and no distributed
+            ``optimizer`` was given (its whole ``main_grad`` would give a wrong number); the
+            optimizer does not match the model; or the rank file cannot be written.
+        ValueError: bad arguments (a step that is not an integer, unknown axes, a
+            ``grad_attr`` other than "main_grad" with fragments, ...).
     """
     step = _step_number(step)
     ready = dist.is_available() and dist.is_initialized()
@@ -246,15 +423,31 @@ def dump_rank(
     if found is None:
         found = {"dp": [rank, world_size]}
     merged = {**found, **{axis: list(place) for axis, place in (coords or {}).items()}}
-    pairs = named_gradients(model)
-    if grad_attr is None:
-        has_main = any(getattr(param, "main_grad", None) is not None for _, param in pairs)
-        grad_attr = "main_grad" if has_main else "grad"
-    if not any(getattr(param, grad_attr, None) is not None for _, param in pairs):
+    fragments = None if optimizer is None else optimizer_fragments(model, optimizer)
+    if fragments is None and _uses_distributed_optimizer(model):
+        given = "no optimizer" if optimizer is None else f"a plain {type(optimizer).__name__}"
         raise SnapshotError(
-            f"rank {rank}: none of the {len(pairs)} parameters has a .{grad_attr}: dump after "
-            "backward and before zero_grad (a snapshot of no gradients would read as norm 0)"
+            f"rank {rank}: the model's DDP uses the distributed optimizer, whose main_grad "
+            f"holds reduced values only in this rank's range, and {given} was given: pass "
+            "optimizer=optimizer to dump_rank"
         )
+    if fragments is not None:
+        if grad_attr not in (None, "main_grad"):
+            raise ValueError(
+                f"grad_attr={grad_attr!r}: distributed-optimizer fragments are main_grad ranges"
+            )
+        pairs, grad_attr, distributed_optimizer = fragments, "main_grad", True
+    else:
+        pairs = named_gradients(model)
+        if grad_attr is None:
+            has_main = any(getattr(param, "main_grad", None) is not None for _, param in pairs)
+            grad_attr = "main_grad" if has_main else "grad"
+        if not any(getattr(param, grad_attr, None) is not None for _, param in pairs):
+            raise SnapshotError(
+                f"rank {rank}: none of the {len(pairs)} parameters has a .{grad_attr}: dump "
+                "after backward and before zero_grad (a snapshot of no gradients would read "
+                "as norm 0)"
+            )
     return save_rank(
         directory,
         pairs,
