@@ -6,7 +6,7 @@ of the logits, so their embedding rows get exact-zero gradients), hidden size 32
 (column-parallel QKV, row-parallel projection, replicated layernorms), a dense MLP in layer 0 and
 an MoE block in layer 1 (4 experts, top-1 router; expert 2 is masked out of the router, so no
 token reaches it and its gradients are all zeros), and an output layer tied to the embedding.
-One forward/backward on a fixed-seed batch, on CPU in fp32, gives the gradients; gradstat.layout
+One forward/backward on a fixed-seed batch, on CPU in fp32, gives the gradients; gradstat.testing
 shards them and save_rank writes:
 
 - ``tp2-pp2-dp2-ep2-distopt/``: TP=2, PP=2, DP=2, EP=2 (EDP=2), distributed-optimizer
@@ -45,7 +45,9 @@ from torch import Tensor, nn
 
 from gradstat.analysis import snapshot_stats
 from gradstat.audit import audit_snapshot
-from gradstat.layout import (
+from gradstat.runner import Place
+from gradstat.snapshot import Snapshot
+from gradstat.testing import (
     Layout,
     ParamLayout,
     RankParams,
@@ -53,8 +55,6 @@ from gradstat.layout import (
     shard_gradients,
     write_snapshot,
 )
-from gradstat.runner import Place
-from gradstat.snapshot import Snapshot
 
 VOCAB, HIDDEN, HEADS, FFN = 96, 32, 4, 80
 LAYERS, MOE_LAYER, EXPERTS, EXPERT_FFN = 2, 1, 4, 16

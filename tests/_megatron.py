@@ -31,8 +31,9 @@ from torch import Tensor
 
 import gradstat
 from gradstat.snapshot import dump_rank
-from tests import _layouts
-from tests._layouts import Layout, RankView
+from tests import _jobs as _layouts
+from tests._jobs import Job as Layout
+from tests._jobs import RankView
 
 NORM_TYPES = (2.0, 1.0, 3.0, math.inf)
 

@@ -1,4 +1,4 @@
-"""A small model sharded with ``gradstat.layout``, for the compare and audit tests.
+"""A small model sharded with ``gradstat.testing``, for the compare and audit tests.
 
 Dense and expert parameters, TP column and row splits, GTP-sharded weights whose padding
 spills over a whole shard in some layouts, and a tied output layer on the last stage. The
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from gradstat.layout import Layout, ParamLayout, RankParams, shard_gradients, write_snapshot
+from gradstat.testing import Layout, ParamLayout, RankParams, shard_gradients, write_snapshot
 
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"

@@ -16,7 +16,7 @@ import torch
 from typer.testing import CliRunner
 
 from gradstat.cli import app
-from gradstat.layout import Layout, RankParams
+from gradstat.testing import Layout, RankParams
 from tests import _model
 from tests._model import EMBEDDING, LAYERNORM, OUTPUT, PROJ, QKV, expert, full_grads, params_named
 from tests._oracle import float64_norm, rel_err

@@ -18,7 +18,7 @@ from gradstat.analysis import snapshot_stats
 from gradstat.errors import SnapshotError
 from gradstat.snapshot import Snapshot, dump_rank
 from gradstat.snapshot.capture import coords_from_megatron, logical_name, named_gradients
-from tests._layouts import Case, launch
+from gradstat.testing import Case, launch
 from tests._oracle import float64_norm, zeros_in
 
 

@@ -13,10 +13,10 @@ import pytest
 from typer.testing import CliRunner
 
 from gradstat.cli import app
-from tests._layouts import Layout, dump_layout, full_grads, model_specs
+from tests._jobs import Job, dump_layout, full_grads, model_specs
 from tests._oracle import float64_norm, rel_err, zeros_in
 
-LAYOUT = Layout("tp2_pp2_ep2_gtp2_moe", tp=2, pp=2, gtp=2, ep=2, moe=True, align=8)
+LAYOUT = Job("tp2_pp2_ep2_gtp2_moe", tp=2, pp=2, gtp=2, ep=2, moe=True, align=8)
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_data"
 
 

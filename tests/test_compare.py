@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gradstat.cli import app
-from gradstat.layout import Layout, RankParams
+from gradstat.testing import Layout, RankParams
 from tests import _model
 from tests._model import EMBEDDING, LAYERNORM, PROJ, QKV, expert, full_grads, params_named
 from tests._oracle import float64_norm, rel_err, zeros_in

@@ -7,8 +7,8 @@ model-parallel group (TP x PP), which leaves CP out; the distributed optimizer s
 buffers over the data-parallel group with context parallelism (DP x CP, cp the faster) and
 reduces over every rank. Expected values are float64 statistics of the unsharded gradients.
 Where megatron-core is installed, 8 gloo processes initialize Megatron's own ``parallel_state``
-with CP = 2, and its groups and coordinates are held against ``gradstat.layout``, the tests'
-independent sharder and gradstat's statistics. (The live API over real groups with CP is in
+with CP = 2, and its groups and coordinates are held against ``gradstat.testing``'s rank order
+and groups and gradstat's statistics. (The live API over real groups with CP is in
 tests/test_layouts.py.)
 """
 
@@ -25,8 +25,15 @@ import torch
 from typer.testing import CliRunner
 
 from gradstat.cli import app
-from gradstat.layout import Layout, RankParams, data_parallel_with_cp, shard_gradients
-from tests import _layouts, _model
+from gradstat.testing import (
+    Case,
+    Layout,
+    RankParams,
+    data_parallel_with_cp,
+    launch,
+    shard_gradients,
+)
+from tests import _jobs, _model
 from tests._model import LAYERNORM, QKV, expert, full_grads, params_named
 from tests._oracle import float64_norm, rel_err, zeros_in
 
@@ -200,7 +207,7 @@ def test_a_changed_fragment_on_a_cp_rank_is_found_by_compare(tmp_path: Path) -> 
 # Megatron's own parallel_state with CP = 2, on 8 gloo processes
 # ---------------------------------------------------------------------------------------------
 
-MEGATRON = _layouts.Layout("megatron_tp2_cp2_dp2_ep2_etp2", tp=2, cp=2, dp=2, ep=2, etp=2, moe=True)
+MEGATRON = _jobs.Job("megatron_tp2_cp2_dp2_ep2_etp2", tp=2, cp=2, dp=2, ep=2, etp=2, moe=True)
 GRADSTAT_LAYOUT = Layout(tp=2, cp=2, dp=2, ep=2, etp=2)
 
 
@@ -246,7 +253,7 @@ def _under_megatron(rank: int, world_size: int, root: str) -> dict[str, Any]:
             ps.get_data_parallel_world_size(with_context_parallel=True),
         )
         pp = ps.get_pipeline_model_parallel_rank()
-        view = _layouts.RankView(
+        view = _jobs.RankView(
             dense={
                 "tp": ps.get_tensor_model_parallel_rank(),
                 "gtp": 0,
@@ -266,26 +273,26 @@ def _under_megatron(rank: int, world_size: int, root: str) -> dict[str, Any]:
                 "etp": ps.get_expert_tensor_parallel_group(),
             },
         )
-        params = _layouts.local_params(MEGATRON, view)
+        params = _jobs.local_params(MEGATRON, view)
         dense = [param for param in params if getattr(param, "allreduce", True)]
         experts = [param for param in params if not getattr(param, "allreduce", True)]
-        plain = _layouts.combine(
-            _layouts.category_stats(dense, view, ps.get_model_parallel_group()),
-            _layouts.category_stats(
+        plain = _jobs.combine(
+            _jobs.category_stats(dense, view, ps.get_model_parallel_group()),
+            _jobs.category_stats(
                 experts, view, ps.get_expert_tensor_model_pipeline_parallel_group()
             ),
         )
-        dense_fragments = _layouts.fragments(dense, *dp_cp, stamp=True)
-        expert_fragments = _layouts.fragments(
+        dense_fragments = _jobs.fragments(dense, *dp_cp, stamp=True)
+        expert_fragments = _jobs.fragments(
             experts,
             ps.get_expert_data_parallel_rank(),
             ps.get_expert_data_parallel_world_size(),
             stamp=True,
         )
         optimizer_group = ps.get_intra_distributed_optimizer_instance_group()
-        distopt = _layouts.combine(
-            _layouts.category_stats(dense_fragments, view, optimizer_group),
-            _layouts.category_stats(expert_fragments, view, optimizer_group),
+        distopt = _jobs.combine(
+            _jobs.category_stats(dense_fragments, view, optimizer_group),
+            _jobs.category_stats(expert_fragments, view, optimizer_group),
         )
         named = [(param._gradstat_name, param) for param in params]
         dump_rank(f"{root}/plain", named, step=5)
@@ -308,15 +315,15 @@ def megatron(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, A
     if importlib.util.find_spec("megatron") is None:
         pytest.skip("megatron-core is not installed (the parity extra)")
     root = tmp_path_factory.mktemp("megatron-cp")
-    case = _layouts.Case("megatron", _under_megatron, str(root))
-    report = _layouts.launch(MEGATRON.world_size, root, [case], timeout_s=400, pg_timeout_s=120)
+    case = Case("megatron", _under_megatron, str(root))
+    report = launch(MEGATRON.world_size, root, [case], timeout_s=400, pg_timeout_s=120)
     return report.values("megatron"), root
 
 
 def test_megatron_coordinates_are_gradstat_layouts(
     megatron: tuple[list[dict[str, Any]], Path],
 ) -> None:
-    """Megatron's rank order (tp, cp, dp) and its DP x CP group are what gradstat.layout uses."""
+    """Megatron's rank order (tp, cp, dp) and its DP x CP group are gradstat.testing's."""
     per_rank, _ = megatron
     assert GRADSTAT_LAYOUT.world_size == len(per_rank)
     for rank, got in enumerate(per_rank):
@@ -331,20 +338,22 @@ def test_megatron_groups_are_the_independent_sharders(
 ) -> None:
     """Every group the tests' sharder builds for CP is the one Megatron builds."""
     per_rank, _ = megatron
-    dense, experts = MEGATRON.dense_axes(), MEGATRON.expert_axes()
     expected_axes = {
-        "tp": (dense, {"tp"}),
-        "cp": (dense, {"cp"}),
-        "dp": (dense, {"dp"}),
-        "dp_cp": (dense, {"dp", "cp"}),
-        "model_parallel": (dense, {"tp", "gtp", "pp"}),
-        "ep": (experts, {"ep"}),
-        "edp": (experts, {"edp"}),
-        "expert_model_parallel": (experts, {"etp", "egtp", "ep", "pp"}),
+        "tp": {"tp"},
+        "cp": {"cp"},
+        "dp": {"dp"},
+        "dp_cp": {"dp", "cp"},
+        "model_parallel": {"tp", "gtp", "pp"},
+        "ep": {"ep"},
+        "edp": {"edp"},
+        "expert_model_parallel": {"etp", "egtp", "ep", "pp"},
     }
     for rank, got in enumerate(per_rank):
-        for key, (axes, grouped) in expected_axes.items():
-            assert got["groups"][key] == _layouts.group_containing(axes, grouped, rank), (rank, key)
+        for key, grouped in expected_axes.items():
+            assert got["groups"][key] == _jobs.group_containing(MEGATRON, grouped, rank), (
+                rank,
+                key,
+            )
         assert got["groups"]["distributed_optimizer"] == list(range(MEGATRON.world_size))
         assert len(got["groups"]["dp_cp"]) == 4 and rank in got["groups"]["dp_cp"]
 
@@ -354,10 +363,10 @@ def test_live_statistics_over_megatrons_groups_equal_float64(
     megatron: tuple[list[dict[str, Any]], Path], optimizer: str
 ) -> None:
     per_rank, _ = megatron
-    grads = _layouts.oracle_grads(moe=True)["total"]
+    grads = _jobs.oracle_grads(moe=True)["total"]
     for rank, got in enumerate(per_rank):
         stats = got[optimizer]
-        for p in _layouts.NORM_TYPES:
+        for p in _jobs.NORM_TYPES:
             expected = float64_norm(grads, p)
             if p == math.inf:
                 assert stats["norms"][p] == expected, (rank, p)
@@ -370,9 +379,9 @@ def test_snapshots_dumped_under_megatron_give_float64_and_agree(
     megatron: tuple[list[dict[str, Any]], Path], tmp_path: Path
 ) -> None:
     _, root = megatron
-    grads = _layouts.oracle_grads(moe=True)["total"]
-    independent = _layouts.dump_layout(
-        _layouts.Layout("cp2_dp4_ep2_distopt", cp=2, dp=4, ep=2, moe=True, distopt=True),
+    grads = _jobs.oracle_grads(moe=True)["total"]
+    independent = _jobs.dump_layout(
+        _jobs.Job("cp2_dp4_ep2_distopt", cp=2, dp=4, ep=2, moe=True, distopt=True),
         tmp_path / "independent",
     )
     for snapshot in (root / "plain", root / "distopt"):

@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 from gradstat import get_grad_norm_fp32, kernels, native
 from gradstat.cli import app
 from gradstat.snapshot import save_rank
-from tests._layouts import Case, launch
+from gradstat.testing import Case, launch
 from tests._params import param_with
 
 CPU = torch.device("cpu")

@@ -1,12 +1,12 @@
-"""compare and audit on snapshots that gradstat.layout did not make.
+"""compare and audit on the tests' GPT in many layouts, against whole tensors and float64.
 
-tests/_layouts.py shards its model its own way (TP and GTP slices of its own, padding masks cut
-from real padded tensors, fragments of its own flat buffers over DP x CP) and writes each rank
-with save_rank alone. A convention that gradstat.layout and the rebuilder (gradstat/tiles.py)
-shared wrongly would show here: each layout is compared with a reference whose rank files hold
-whole tensors (only pipeline stages split it, so nothing needs placing), and with
-gradstat.layout's snapshot of the same gradients; then single planted differences, in a shard,
-a fragment or a replica, must be found and named.
+Each layout (tests/_jobs.py over gradstat.testing's sharder; ranks written with save_rank alone)
+is compared with a reference whose rank files hold whole tensors (only pipeline stages split
+it, so nothing needs placing) and checked against the float64 statistics of the unsharded
+gradients, so a convention that the sharder and the rebuilder (gradstat/tiles.py) shared wrongly
+would show; pairs of different layouts must agree element by element; then single planted
+differences, in a shard, a fragment or a replica, must be found and named. GTP padding is
+planted where the padding mask (cut from a really padded tensor) says it is.
 """
 
 from __future__ import annotations
@@ -20,14 +20,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-import gradstat.layout as gl
+from gradstat import testing
 from gradstat.cli import app
-from tests._layouts import (
+from tests._jobs import (
     EMBEDDING,
-    EXPERTS,
     OUTPUT_COPY,
-    PAD_MASK,
-    Layout,
+    Job,
     dump_layout,
     full_grads,
     gtp_geometry,
@@ -37,17 +35,17 @@ from tests._layouts import (
 from tests._oracle import float64_norm, rel_err, zeros_in
 
 LAYOUTS = [
-    Layout("tp2", tp=2),
-    Layout("tp2_pp2_tied", tp=2, pp=2),
-    Layout("tp2_dp2_distopt", tp=2, dp=2, distopt=True),
-    Layout("pp2_dp2_distopt_tied", pp=2, dp=2, distopt=True),
-    Layout("tp2_dp2_ep2_etp2_moe", tp=2, dp=2, ep=2, etp=2, moe=True),
-    Layout("gtp4_spill", gtp=4, align=8),
-    Layout("gtp2_dp2_distopt", gtp=2, dp=2, distopt=True),
-    Layout("gtp2_dp2_ep2_egtp2_moe_spill", gtp=2, dp=2, ep=2, egtp=2, moe=True, align=8),
-    Layout("tp2_gtp2_pp2_ep2_moe_distopt", tp=2, gtp=2, pp=2, ep=2, moe=True, distopt=True),
-    Layout("tp2_cp2_plain", tp=2, cp=2),
-    Layout("cp2_dp2_ep2_moe_distopt", cp=2, dp=2, ep=2, moe=True, distopt=True),
+    Job("tp2", tp=2),
+    Job("tp2_pp2_tied", tp=2, pp=2),
+    Job("tp2_dp2_distopt", tp=2, dp=2, distopt=True),
+    Job("pp2_dp2_distopt_tied", pp=2, dp=2, distopt=True),
+    Job("tp2_dp2_ep2_etp2_moe", tp=2, dp=2, ep=2, etp=2, moe=True),
+    Job("gtp4_spill", gtp=4, align=8),
+    Job("gtp2_dp2_distopt", gtp=2, dp=2, distopt=True),
+    Job("gtp2_dp2_ep2_egtp2_moe_spill", gtp=2, dp=2, ep=2, egtp=2, moe=True, align=8),
+    Job("tp2_gtp2_pp2_ep2_moe_distopt", tp=2, gtp=2, pp=2, ep=2, moe=True, distopt=True),
+    Job("tp2_cp2_plain", tp=2, cp=2),
+    Job("cp2_dp2_ep2_moe_distopt", cp=2, dp=2, ep=2, moe=True, distopt=True),
 ]
 
 LAYERNORM = "decoder.layers.0.input_layernorm.weight"
@@ -70,9 +68,9 @@ def _logical(moe: bool) -> dict[str, torch.Tensor]:
     return {spec.name: grads[spec.name] for spec in model_specs(moe)}
 
 
-def _reference(layout: Layout, directory: Path) -> Path:
+def _reference(layout: Job, directory: Path) -> Path:
     """The same model on ``layout.pp`` stages and nothing else: every tensor whole."""
-    return dump_layout(Layout("reference", pp=layout.pp, moe=layout.moe), directory)
+    return dump_layout(Job("reference", pp=layout.pp, moe=layout.moe), directory)
 
 
 def _squares(tensor: torch.Tensor) -> float:
@@ -80,7 +78,7 @@ def _squares(tensor: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.name)
-def test_independent_layout_rebuilds_to_the_full_gradients(layout: Layout, tmp_path: Path) -> None:
+def test_independent_layout_rebuilds_to_the_full_gradients(layout: Job, tmp_path: Path) -> None:
     sharded = dump_layout(layout, tmp_path / "sharded")
     reference = _reference(layout, tmp_path / "reference")
     code, report = _cli("compare", str(sharded), str(reference), "--all")
@@ -99,46 +97,36 @@ def test_independent_layout_rebuilds_to_the_full_gradients(layout: Layout, tmp_p
     assert rel_err(audit["total_norm"], float64_norm(list(grads.values()), 2)) <= 1e-6
 
 
-def _gradstat_layout_snapshot(directory: Path, moe: bool, layout: gl.Layout) -> Path:
-    """gradstat.layout's snapshot of the independent sharder's model and gradients."""
-    pp = layout.pp
-    reference = Layout("stages", pp=pp, moe=moe)
-    specs = [
-        gl.ParamLayout(
-            spec.name,
-            spec.split,  # type: ignore[arg-type]
-            stage=reference.stage_of(spec),
-            expert=spec.expert,
-            num_experts=EXPERTS if spec.expert is not None else 0,
-            gtp=spec.gtp,
-        )
-        for spec in model_specs(moe)
-    ]
-    if pp > 1:
-        specs.append(gl.ParamLayout(OUTPUT_COPY, "column", stage=pp - 1, tied_copy_of=EMBEDDING))
-    grads = _logical(moe)
-    gl.write_snapshot(directory, layout, gl.shard_gradients(layout, specs, grads), step=7)
+def _layout_snapshot(directory: Path, moe: bool, layout: testing.Layout) -> Path:
+    """The tests' model in ``layout``, written with gradstat.testing.write_snapshot."""
+    specs = model_specs(moe, layout.pp)
+    testing.write_snapshot(
+        directory, layout, testing.shard_gradients(layout, specs, _logical(moe)), step=7
+    )
     return directory
 
 
 @pytest.mark.parametrize(
     ("ours", "theirs"),
     [
-        (Layout("tp2_gtp2_dp2_distopt", tp=2, gtp=2, dp=2, distopt=True, align=8), gl.Layout(tp=4)),
         (
-            Layout("cp2_dp2_ep2_moe_distopt", cp=2, dp=2, ep=2, moe=True, distopt=True),
-            gl.Layout(tp=2, gtp=2, dp=2, ep=2, etp=2, egtp=2, gtp_align=4),
+            Job("tp2_gtp2_dp2_distopt", tp=2, gtp=2, dp=2, distopt=True, align=8),
+            testing.Layout(tp=4),
         ),
-        (Layout("tp2_pp2_tied", tp=2, pp=2), gl.Layout(gtp=2, cp=2, pp=2, gtp_align=4)),
+        (
+            Job("cp2_dp2_ep2_moe_distopt", cp=2, dp=2, ep=2, moe=True, distopt=True),
+            testing.Layout(tp=2, gtp=2, dp=2, ep=2, etp=2, egtp=2, gtp_align=4),
+        ),
+        (Job("tp2_pp2_tied", tp=2, pp=2), testing.Layout(gtp=2, cp=2, pp=2, gtp_align=4)),
     ],
     ids=["gtp-distopt-vs-tp4", "cp-moe-distopt-vs-gtp-egtp", "tp-pp-vs-gtp-cp-pp"],
 )
-def test_independent_and_gradstat_layouts_agree(
-    ours: Layout, theirs: gl.Layout, tmp_path: Path
+def test_two_layouts_of_the_same_gradients_agree(
+    ours: Job, theirs: testing.Layout, tmp_path: Path
 ) -> None:
     a = dump_layout(ours, tmp_path / "a")
     assert ours.pp == theirs.pp  # a tied output layer exists on both sides or on neither
-    b = _gradstat_layout_snapshot(tmp_path / "b", ours.moe, theirs)
+    b = _layout_snapshot(tmp_path / "b", ours.moe, theirs)
     code, report = _cli("compare", str(a), str(b), "--all")
     assert code == 0 and report["mismatches"] == []
     assert sorted(_rows(report)) == sorted(_logical(ours.moe))
@@ -146,7 +134,7 @@ def test_independent_and_gradstat_layouts_agree(
         assert row["max_abs_diff"] == 0.0 and row["zeros_a"] == row["zeros_b"], row
 
 
-def _plant(layout: Layout, name: str, where: dict[str, int], element: int, value: float) -> Any:
+def _plant(layout: Job, name: str, where: dict[str, int], element: int, value: float) -> Any:
     """A ``plant`` for dump_layout setting one element of ``name`` on the ranks at ``where``
     (coordinates of the dense or expert axes); it records the ranks and the old values."""
     planted: dict[str, Any] = {"ranks": [], "old": []}
@@ -170,7 +158,7 @@ def _plant(layout: Layout, name: str, where: dict[str, int], element: int, value
 def test_a_changed_tp_shard_is_found_and_named(tmp_path: Path) -> None:
     """A shard of a column-parallel weight on TP rank 1: compare names it and measures it;
     audit has nothing to say (a shard has no copy to disagree with)."""
-    layout = Layout("tp2", tp=2)
+    layout = Job("tp2", tp=2)
     plant = _plant(layout, QKV, {"tp": 1}, element=5, value=7.5)
     changed = dump_layout(layout, tmp_path / "changed", plant=plant)
     assert plant.planted["ranks"] == [1]
@@ -188,7 +176,7 @@ def test_a_changed_tp_shard_is_found_and_named(tmp_path: Path) -> None:
 
 def test_a_changed_fragment_on_a_cp_rank_is_found_and_named(tmp_path: Path) -> None:
     """Distributed optimizer: CP rank 1's fragment of the flat buffer, its last element."""
-    layout = Layout("cp2_dp2_distopt", cp=2, dp=2, distopt=True)
+    layout = Job("cp2_dp2_distopt", cp=2, dp=2, distopt=True)
     planted: dict[str, Any] = {}
 
     def plant(rank: int, params: list[torch.nn.Parameter]) -> None:
@@ -208,22 +196,22 @@ def test_a_changed_fragment_on_a_cp_rank_is_found_and_named(tmp_path: Path) -> N
 @pytest.mark.parametrize(
     ("layout", "name", "where", "kind", "axis"),
     [
-        (Layout("tp2", tp=2), LAYERNORM, {"tp": 1}, "tp_replicas_differ", "TP"),
-        (Layout("tp2_dp2", tp=2, dp=2), LAYERNORM, {"dp": 1}, "dp_replicas_differ", None),
-        (Layout("tp2_cp2", tp=2, cp=2), LAYERNORM, {"cp": 1}, "cp_replicas_differ", None),
+        (Job("tp2", tp=2), LAYERNORM, {"tp": 1}, "tp_replicas_differ", "TP"),
+        (Job("tp2_dp2", tp=2, dp=2), LAYERNORM, {"dp": 1}, "dp_replicas_differ", None),
+        (Job("tp2_cp2", tp=2, cp=2), LAYERNORM, {"cp": 1}, "cp_replicas_differ", None),
         (
-            Layout("tp2_dp2_ep2_etp2_moe", tp=2, dp=2, ep=2, etp=2, moe=True),
+            Job("tp2_dp2_ep2_etp2_moe", tp=2, dp=2, ep=2, etp=2, moe=True),
             EXPERT_BIAS,
             {"etp": 1},
             "tp_replicas_differ",
             "ETP",
         ),
-        (Layout("gtp2", gtp=2, align=8), LAYERNORM, {"gtp": 1}, "gtp_replicas_differ", "GTP"),
+        (Job("gtp2", gtp=2, align=8), LAYERNORM, {"gtp": 1}, "gtp_replicas_differ", "GTP"),
     ],
     ids=["tp-replica", "dp-replica", "cp-replica", "etp-replica", "gtp-replica"],
 )
 def test_a_replica_that_differs_is_found_by_audit_not_by_compare(
-    layout: Layout, name: str, where: dict[str, int], kind: str, axis: str | None, tmp_path: Path
+    layout: Job, name: str, where: dict[str, int], kind: str, axis: str | None, tmp_path: Path
 ) -> None:
     """An uncounted copy leaves every number as it was (compare agrees with the reference); the
     broken promise is audit's finding, naming the parameter, the copies and the counted one."""
@@ -250,13 +238,13 @@ def test_a_replica_that_differs_is_found_by_audit_not_by_compare(
 
 def test_gtp_padding_that_is_not_zero_is_found(tmp_path: Path) -> None:
     """The padding mask comes from a padded tensor, not from gradstat's arithmetic."""
-    layout = Layout("gtp4_spill", gtp=4, align=8)
+    layout = Job("gtp4_spill", gtp=4, align=8)
     assert any(shard.spills for shard in gtp_geometry(layout))
     holder: dict[str, Any] = {}
 
     def plant(rank: int, params: list[torch.nn.Parameter]) -> None:
         for param in params:
-            mask = getattr(param, PAD_MASK, None)
+            mask = testing.padding_mask(param)
             if not holder and mask is not None and bool(mask.any()):
                 index = int(mask.reshape(-1).nonzero()[0])
                 param.grad.view(-1)[index] = 0.25
@@ -275,7 +263,7 @@ def test_gtp_padding_that_is_not_zero_is_found(tmp_path: Path) -> None:
 
 
 def test_a_tied_copy_that_differs_is_found(tmp_path: Path) -> None:
-    layout = Layout("tp2_pp2_tied", tp=2, pp=2)
+    layout = Job("tp2_pp2_tied", tp=2, pp=2)
     plant = _plant(layout, OUTPUT_COPY, {"tp": 0}, element=9, value=4.0)
     changed = dump_layout(layout, tmp_path / "changed", plant=plant)
     code, audit = _cli("audit", str(changed))

@@ -9,6 +9,7 @@ process start costs seconds on two cores); each layout still passes or fails on 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,19 +17,16 @@ from typing import Any
 import pytest
 from torch import Tensor
 
-from tests._layouts import (
+from gradstat.testing import Case, LaunchReport, launch
+from tests._jobs import (
     EMBEDDING,
     NORM_TYPES,
-    Case,
     DTensorCase,
-    LaunchReport,
-    Layout,
+    Job,
     dtensor_grads,
     full_grads,
     gtp_geometry,
-    launch,
     oracle_grads,
-    raise_on_last_rank,
     run_dtensor,
     run_layout,
 )
@@ -36,39 +34,37 @@ from tests._oracle import float64_norm, zeros_in
 
 LAYOUTS = [
     # world size 2
-    Layout("tp2", tp=2),
-    Layout("gtp2", gtp=2),
-    Layout("dp2_ep2_moe", dp=2, ep=2, moe=True),
+    Job("tp2", tp=2),
+    Job("gtp2", gtp=2),
+    Job("dp2_ep2_moe", dp=2, ep=2, moe=True),
     # world size 4
-    Layout("tp2_pp2_tied", tp=2, pp=2),
-    Layout("tp2_dp2_plain", tp=2, dp=2),
-    Layout("tp2_dp2_distopt", tp=2, dp=2, distopt=True),
-    Layout("pp2_dp2_distopt_tied", pp=2, dp=2, distopt=True),
-    Layout("tp2_dp2_ep2_etp2_moe", tp=2, dp=2, ep=2, etp=2, moe=True),
-    Layout("gtp4_spill_axis_places", gtp=4, align=8, axis_places=True),
-    Layout("gtp2_dp2_distopt", gtp=2, dp=2, distopt=True),
-    Layout("gtp2_dp2_ep2_egtp2_moe_spill", gtp=2, dp=2, ep=2, egtp=2, moe=True, align=8),
+    Job("tp2_pp2_tied", tp=2, pp=2),
+    Job("tp2_dp2_plain", tp=2, dp=2),
+    Job("tp2_dp2_distopt", tp=2, dp=2, distopt=True),
+    Job("pp2_dp2_distopt_tied", pp=2, dp=2, distopt=True),
+    Job("tp2_dp2_ep2_etp2_moe", tp=2, dp=2, ep=2, etp=2, moe=True),
+    Job("gtp4_spill_axis_places", gtp=4, align=8, axis_places=True),
+    Job("gtp2_dp2_distopt", gtp=2, dp=2, distopt=True),
+    Job("gtp2_dp2_ep2_egtp2_moe_spill", gtp=2, dp=2, ep=2, egtp=2, moe=True, align=8),
     # world size 8
-    Layout("tp2_pp2_dp2_ep2_moe_distopt", tp=2, pp=2, dp=2, ep=2, moe=True, distopt=True),
-    Layout("tp2_gtp2_dp2_plain", tp=2, gtp=2, dp=2),
-    Layout("gtp4_dp2_distopt_spill", gtp=4, dp=2, align=8, distopt=True),
-    Layout("tp2_pp4_tied", tp=2, pp=4),
-    Layout("tp2_dp4_ep4_etp2_moe_distopt", tp=2, dp=4, ep=4, etp=2, moe=True, distopt=True),
+    Job("tp2_pp2_dp2_ep2_moe_distopt", tp=2, pp=2, dp=2, ep=2, moe=True, distopt=True),
+    Job("tp2_gtp2_dp2_plain", tp=2, gtp=2, dp=2),
+    Job("gtp4_dp2_distopt_spill", gtp=4, dp=2, align=8, distopt=True),
+    Job("tp2_pp4_tied", tp=2, pp=4),
+    Job("tp2_dp4_ep4_etp2_moe_distopt", tp=2, dp=4, ep=4, etp=2, moe=True, distopt=True),
     # Context parallelism: CP ranks hold copies; the plain optimizer's statistics group (model
     # parallel) leaves them out, the distributed optimizer shards over DP x CP.
-    Layout("tp2_cp2_plain", tp=2, cp=2),  # world size 4
-    Layout("cp2_dp2_distopt", cp=2, dp=2, distopt=True),
-    Layout("tp2_cp2_pp2_tied_plain", tp=2, cp=2, pp=2),  # world size 8
-    Layout("tp2_cp2_dp2_ep2_moe_distopt", tp=2, cp=2, dp=2, ep=2, moe=True, distopt=True),
-    Layout("gtp2_cp2_dp2_ep2_egtp2_moe_plain", gtp=2, cp=2, dp=2, ep=2, egtp=2, moe=True, align=8),
+    Job("tp2_cp2_plain", tp=2, cp=2),  # world size 4
+    Job("cp2_dp2_distopt", cp=2, dp=2, distopt=True),
+    Job("tp2_cp2_pp2_tied_plain", tp=2, cp=2, pp=2),  # world size 8
+    Job("tp2_cp2_dp2_ep2_moe_distopt", tp=2, cp=2, dp=2, ep=2, moe=True, distopt=True),
+    Job("gtp2_cp2_dp2_ep2_egtp2_moe_plain", gtp=2, cp=2, dp=2, ep=2, egtp=2, moe=True, align=8),
 ]
 
 # Negative controls: the same machinery with one thing broken on purpose.
-UNTIED = Layout("neg_pp2_dp2_distopt_untied", pp=2, dp=2, distopt=True, untie_output_copy=True)
-UNSTAMPED = Layout(
-    "neg_gtp2_dp2_distopt_unstamped", gtp=2, dp=2, distopt=True, stamp_pad_zeros=False
-)
-CP_SUMMED = Layout("neg_tp2_cp2_plain_stats_over_cp", tp=2, cp=2, stats_over_cp=True)
+UNTIED = Job("neg_pp2_dp2_distopt_untied", pp=2, dp=2, distopt=True, untie_output_copy=True)
+UNSTAMPED = Job("neg_gtp2_dp2_distopt_unstamped", gtp=2, dp=2, distopt=True, stamp_pad_zeros=False)
+CP_SUMMED = Job("neg_tp2_cp2_plain_stats_over_cp", tp=2, cp=2, stats_over_cp=True)
 NEGATIVE_CONTROLS = [UNTIED, UNSTAMPED, CP_SUMMED]
 
 DTENSOR_CASES = [
@@ -128,7 +124,7 @@ def _assert_matches(got: dict[str, Any], expected: dict[str, Any], what: str) ->
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.name)
 def test_layout_matches_unsharded_oracle(
-    layout: Layout, spawned: Callable[[int], LaunchReport]
+    layout: Job, spawned: Callable[[int], LaunchReport]
 ) -> None:
     per_rank = spawned(layout.world_size).values(layout.name)
     grads = oracle_grads(layout.moe)
@@ -201,6 +197,13 @@ def test_dtensor_shard0_grads_match_unsharded_oracle(
     local_rows = [got["local_rows"] for got in per_rank]
     assert len({tuple(rows) for rows in local_rows}) > 1
     assert any(0 in rows for rows in local_rows)
+
+
+def raise_on_last_rank(rank: int, world_size: int, message: str) -> None:
+    """The last rank raises; the others hang (a stand-in for a rank stuck outside gloo)."""
+    if rank == world_size - 1:
+        raise ValueError(message)
+    time.sleep(600)
 
 
 def test_launcher_reports_a_rank_traceback_and_stops_the_waiting_ranks(tmp_path: Path) -> None:

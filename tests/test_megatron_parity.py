@@ -19,8 +19,9 @@ from typing import Any
 
 import pytest
 
-from tests import _layouts
-from tests._layouts import Case, Layout, launch
+from gradstat.testing import Case, launch
+from tests import _jobs
+from tests._jobs import Job
 from tests._oracle import float64_norm, rel_err, zeros_in
 
 # Looked up, not imported: Megatron is imported only by the ranks, never by the test process.
@@ -33,7 +34,7 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:Transformer Engine and Apex are not installed:UserWarning"
 )
 
-LAYOUT = Layout("tp2-pp2-dp2-ep2", tp=2, pp=2, dp=2, ep=2, etp=2, moe=True)
+LAYOUT = Job("tp2-pp2-dp2-ep2", tp=2, pp=2, dp=2, ep=2, etp=2, moe=True)
 # Megatron's no-TE fallback reduces each tensor in fp32; gradstat combines in float64.
 MEGATRON_RTOL, GRADSTAT_RTOL = 1e-6, 1e-9
 # The snapshot reader's one-pass kernel sums each fp32 chunk in fp32 lanes (5e-9 seen here).
@@ -59,7 +60,7 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def _oracle() -> dict[str, dict[str, Any]]:
-    grads = _layouts.oracle_grads(moe=True)
+    grads = _jobs.oracle_grads(moe=True)
     return {
         part: {
             "norms": {p: float64_norm(grads[part], p) for p in NORM_TYPES},
@@ -79,8 +80,7 @@ def _parts(ranks: list[dict[str, Any]]) -> Iterator[tuple[int, str, str, dict[st
 def test_megatron_places_ranks_as_the_independent_sharder_does(ranks: list[dict[str, Any]]) -> None:
     for rank, result in enumerate(ranks):
         dense, expert = result["coords"]
-        assert dense == _layouts._coords(rank, LAYOUT.dense_axes())
-        assert expert == _layouts._coords(rank, LAYOUT.expert_axes())
+        assert (dense, expert) == LAYOUT.view_coords(rank)
 
 
 def test_gradstat_selects_the_tensors_megatrons_optimizer_selects(
@@ -191,7 +191,7 @@ def test_a_snapshot_dumped_from_live_megatron_gives_megatrons_numbers(
     assert _cli("audit", str(snapshots / kind))["findings"] == []
 
 
-CP_LAYOUT = Layout("tp2-cp2-dp2", tp=2, cp=2, dp=2)
+CP_LAYOUT = Job("tp2-cp2-dp2", tp=2, cp=2, dp=2)
 
 
 @pytest.fixture(scope="module")
@@ -208,10 +208,10 @@ def test_context_parallel_statistics_equal_megatrons_and_float64(
     """TP=2 x CP=2 x DP=2 under Megatron's parallel_state: CP ranks hold copies; the plain
     optimizer reduces over its model-parallel group (CP left out), the distributed one shards
     over DP x CP and reduces over every rank. Megatron's own functions and gradstat's agree."""
-    grads = _layouts.oracle_grads(moe=False)["dense"]
+    grads = _jobs.oracle_grads(moe=False)["dense"]
     for rank, result in enumerate(cp_ranks):
         dense, _expert = result["coords"]
-        assert dense == _layouts._coords(rank, CP_LAYOUT.dense_axes())
+        assert dense == CP_LAYOUT.view_coords(rank)[0]
         for kind in ("plain", "distopt"):
             stats = result[kind]["dense"]
             assert stats["same_selection"] and stats["same_bare_selection"], (rank, kind)

@@ -19,8 +19,9 @@ from safetensors import safe_open
 
 import gradstat
 from gradstat.recorder import complete_snapshots
-from tests import _layouts, _torch_native
-from tests._layouts import Case, Layout, launch
+from gradstat.testing import Case, launch
+from tests import _jobs, _torch_native
+from tests._jobs import Job
 from tests._oracle import float64_norm, rel_err
 from tests.test_torch_native import recipe
 
@@ -183,7 +184,7 @@ def test_a_rank_lost_while_dumping_leaves_no_snapshot_that_reads_as_complete(
 
 # --- a Megatron TP=2 layout with Megatron's own parallel_state ------------------------------
 
-LAYOUT = Layout("tp2", tp=2)
+LAYOUT = Job("tp2", tp=2)
 
 
 def _megatron_loop(rank: int, world_size: int, directory: str) -> dict[str, Any]:
@@ -197,7 +198,7 @@ def _megatron_loop(rank: int, world_size: int, directory: str) -> dict[str, Any]
         tensor_model_parallel_size=2, create_gloo_process_groups=False
     )
     try:
-        params = _layouts.local_params(LAYOUT, megatron_view(LAYOUT))
+        params = _jobs.local_params(LAYOUT, megatron_view(LAYOUT))
         clean = [param.grad.clone() for param in params]
         named = [(param._gradstat_name, param) for param in params]
         namespace: dict[str, Any] = {"model": named, "directory": directory}
@@ -223,7 +224,7 @@ def test_megatron_loop_catches_the_nan_and_the_spike(tmp_path: Path) -> None:
     dumps = tmp_path / "dumps"
     case = Case("megatron", _megatron_loop, str(dumps))
     ranks = launch(2, _run_dir(tmp_path), [case], timeout_s=300).values("megatron")
-    full = float64_norm(_layouts.oracle_grads(moe=False)["total"], 2)
+    full = float64_norm(_jobs.oracle_grads(moe=False)["total"], 2)
     for result in ranks:
         for step, norm in result["norms"].items():
             if step == NAN_STEP:

@@ -20,8 +20,8 @@ from safetensors import safe_open
 
 import gradstat
 from gradstat.analysis import SnapshotStats, snapshot_stats
-from gradstat.layout import Layout, LayoutError, ParamLayout, shard_gradients
 from gradstat.snapshot import Snapshot
+from gradstat.testing import Layout, LayoutError, ParamLayout, shard_gradients
 from tests._oracle import float64_norm, rel_err, zeros_in
 
 SAMPLE_DATA = Path(__file__).resolve().parents[1] / "sample_data"

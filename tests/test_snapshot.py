@@ -16,10 +16,10 @@ import gradstat
 from gradstat.analysis import snapshot_stats
 from gradstat.errors import SnapshotError
 from gradstat.snapshot import Snapshot, save_rank
-from tests._layouts import (
+from tests._jobs import (
     NORM_TYPES,
     OUTPUT_COPY,
-    Layout,
+    Job,
     dump_layout,
     full_grads,
     model_specs,
@@ -28,30 +28,30 @@ from tests._oracle import float64_norm, rel_err, zeros_in
 from tests._params import param_with
 
 LAYOUTS = [
-    Layout("single"),
-    Layout("tp2", tp=2),
-    Layout("tp2_pp2_tied", tp=2, pp=2),
-    Layout("tp2_dp2_plain", tp=2, dp=2),
-    Layout("tp2_dp2_distopt", tp=2, dp=2, distopt=True),
-    Layout("pp2_dp2_distopt_tied", pp=2, dp=2, distopt=True),
-    Layout("tp2_dp2_ep2_etp2_moe", tp=2, dp=2, ep=2, etp=2, moe=True),
-    Layout("gtp4_spill", gtp=4, align=8),
-    Layout("gtp2_dp2_distopt", gtp=2, dp=2, distopt=True),
-    Layout("gtp2_dp2_ep2_egtp2_moe_spill", gtp=2, dp=2, ep=2, egtp=2, moe=True, align=8),
-    Layout("tp2_pp2_dp2_ep2_moe_distopt", tp=2, pp=2, dp=2, ep=2, moe=True, distopt=True),
-    Layout("tp2_gtp2_dp2_plain", tp=2, gtp=2, dp=2),
-    Layout("gtp4_dp2_distopt_spill", gtp=4, dp=2, align=8, distopt=True),
-    Layout("tp2_dp4_ep4_etp2_moe_distopt", tp=2, dp=4, ep=4, etp=2, moe=True, distopt=True),
+    Job("single"),
+    Job("tp2", tp=2),
+    Job("tp2_pp2_tied", tp=2, pp=2),
+    Job("tp2_dp2_plain", tp=2, dp=2),
+    Job("tp2_dp2_distopt", tp=2, dp=2, distopt=True),
+    Job("pp2_dp2_distopt_tied", pp=2, dp=2, distopt=True),
+    Job("tp2_dp2_ep2_etp2_moe", tp=2, dp=2, ep=2, etp=2, moe=True),
+    Job("gtp4_spill", gtp=4, align=8),
+    Job("gtp2_dp2_distopt", gtp=2, dp=2, distopt=True),
+    Job("gtp2_dp2_ep2_egtp2_moe_spill", gtp=2, dp=2, ep=2, egtp=2, moe=True, align=8),
+    Job("tp2_pp2_dp2_ep2_moe_distopt", tp=2, pp=2, dp=2, ep=2, moe=True, distopt=True),
+    Job("tp2_gtp2_dp2_plain", tp=2, gtp=2, dp=2),
+    Job("gtp4_dp2_distopt_spill", gtp=4, dp=2, align=8, distopt=True),
+    Job("tp2_dp4_ep4_etp2_moe_distopt", tp=2, dp=4, ep=4, etp=2, moe=True, distopt=True),
     # Context parallelism: CP ranks hold copies (plain optimizer), or fragments of DP x CP.
-    Layout("tp2_cp2_plain", tp=2, cp=2),
-    Layout("cp2_dp2_pp2_distopt_tied", cp=2, dp=2, pp=2, distopt=True),
-    Layout("tp2_cp2_dp2_ep4_moe_distopt", tp=2, cp=2, dp=2, ep=4, moe=True, distopt=True),
-    Layout("gtp2_cp2_ep2_egtp2_moe_spill", gtp=2, cp=2, ep=2, egtp=2, moe=True, align=8),
+    Job("tp2_cp2_plain", tp=2, cp=2),
+    Job("cp2_dp2_pp2_distopt_tied", cp=2, dp=2, pp=2, distopt=True),
+    Job("tp2_cp2_dp2_ep4_moe_distopt", tp=2, cp=2, dp=2, ep=4, moe=True, distopt=True),
+    Job("gtp2_cp2_ep2_egtp2_moe_spill", gtp=2, cp=2, ep=2, egtp=2, moe=True, align=8),
 ]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.name)
-def test_snapshot_statistics_equal_the_unsharded_model(layout: Layout, tmp_path: Path) -> None:
+def test_snapshot_statistics_equal_the_unsharded_model(layout: Job, tmp_path: Path) -> None:
     dump_layout(layout, tmp_path)
     snapshot = Snapshot.open(tmp_path)
     assert snapshot.world_size == layout.world_size
@@ -76,7 +76,7 @@ def test_snapshot_statistics_equal_the_unsharded_model(layout: Layout, tmp_path:
 
 
 def test_gtp_padding_is_recorded_and_excluded(tmp_path: Path) -> None:
-    layout = Layout("gtp4_spill", gtp=4, align=8)
+    layout = Job("gtp4_spill", gtp=4, align=8)
     dump_layout(layout, tmp_path)
     stats = snapshot_stats(Snapshot.open(tmp_path))
     assert stats.pad_zeros > 0
@@ -239,13 +239,12 @@ def test_gtp_group_must_match_the_coordinates(tmp_path: Path) -> None:
 
 def test_short_fragments_of_gtp_shards_are_valid(tmp_path: Path) -> None:
     """A distributed-optimizer fragment shorter than the padding is still a valid record."""
-    from gradstat.layout import Layout as JobLayout
-    from gradstat.layout import ParamLayout, shard_gradients, write_snapshot
+    from gradstat.testing import Layout, ParamLayout, shard_gradients, write_snapshot
 
     gen = torch.Generator().manual_seed(2)
     grads = {"w": torch.randn(16, 4, generator=gen), "b": torch.randn(118, generator=gen)}
     specs = [ParamLayout("w", gtp=True), ParamLayout("b")]
-    layout = JobLayout(gtp=2, dp=2, gtp_align=32, distributed_optimizer=True)
+    layout = Layout(gtp=2, dp=2, gtp_align=32, distributed_optimizer=True)
     write_snapshot(tmp_path, layout, shard_gradients(layout, specs, grads))
     stats = snapshot_stats(Snapshot.open(tmp_path), (2.0,))
     assert stats.pad_zeros == 48 * 4

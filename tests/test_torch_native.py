@@ -20,8 +20,8 @@ import torch
 from typer.testing import CliRunner
 
 from gradstat.cli import app
+from gradstat.testing import Case, LaunchReport, launch
 from tests import _torch_native as native
-from tests._layouts import Case, LaunchReport, launch
 from tests._oracle import rel_err
 
 README = Path(__file__).resolve().parents[1] / "README.md"

@@ -88,7 +88,7 @@ def test_compare_under_three_processes_prints_what_one_prints() -> None:
 
 
 def test_audit_under_three_processes_prints_what_one_prints(tmp_path: Path) -> None:
-    from gradstat.layout import Layout, RankParams
+    from gradstat.testing import Layout, RankParams
     from tests import _model
 
     def plant(ranks: list[RankParams]) -> None:

@@ -1,10 +1,15 @@
-"""Shard a model's full gradients into a Megatron parallel layout, offline.
+"""Shard a model's full gradients into a Megatron parallel layout: the one sharder of gradstat.
 
 Given every logical parameter's unsharded gradient and where Megatron puts it (which TP split,
 which pipeline stage, which expert, whether GTP shards it, which weight it is a tied copy of),
 ``shard_gradients`` builds what each rank of a job in that layout holds: its coordinates and its
 ``(name, param)`` pairs, each param carrying Megatron's attributes and its local gradient as
-``.grad``. ``write_snapshot`` saves them as a gradstat snapshot, one file per rank.
+``.grad``; ``shard_rank`` builds one rank's share (in a multi-process test, each rank its own,
+with its real GTP groups). ``write_snapshot`` saves them as a gradstat snapshot, one file per rank.
+``Layout.groups`` lists the ranks of Megatron's groups along any axes, to make real ones.
+
+The sharder uses none of the predicates it helps to test: GTP padding is found by padding and
+splitting a real mask (``padding_mask``), never by gradstat's arithmetic.
 
 Rank order follows Megatron's: ``tp-cp-ep-dp-pp``, with GTP injected after ep
 (``tp-cp-ep-gtp_remat-dp-pp``, megatron-core 0.19): dense ranks tp (fastest), cp, gtp, dp, pp;
@@ -28,14 +33,14 @@ Slicing rules (what Megatron does, reduced to what the statistics depend on):
   flat buffer per category (dense, expert), params laid end to end in the given order and the
   buffer split into equal ranges over Megatron's data-parallel group with context parallelism
   (DP x CP, cp the faster; EDP for experts). Fragments copy the attributes;
-  fragments of GTP shards are stamped with ``gtp_pad_zeros``, and every fragment with its
-  ``fragment_offset`` and ``fragment_shape``.
+  fragments of GTP shards are stamped with ``gtp_pad_zeros`` (the padding their mask holds),
+  and every fragment with its ``fragment_offset`` and ``fragment_shape``.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -43,10 +48,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from .errors import GradstatError
-from .groups import AxisPlace
-from .predicates import gtp_local_pad_zero_count
-from .snapshot.format import PLAIN_ATTRS
+from ..errors import GradstatError
+from ..groups import AxisPlace
+from ..snapshot.format import PLAIN_ATTRS
 
 __all__ = [
     "FRAGMENT_ATTRS",
@@ -56,7 +60,11 @@ __all__ = [
     "RankParams",
     "Split",
     "data_parallel_with_cp",
+    "fragments",
+    "gtp_pad_rows",
+    "padding_mask",
     "shard_gradients",
+    "shard_rank",
     "write_snapshot",
 ]
 
@@ -68,6 +76,11 @@ FRAGMENT_ATTRS = (
     *(key for key in PLAIN_ATTRS if not key.startswith(("gtp_pad_zeros", "fragment_"))),
     "group",
 )
+
+DENSE_AXES = ("tp", "cp", "gtp", "dp")
+EXPERT_AXES = ("etp", "ep", "egtp", "edp")
+# Where a GTP shard (or a fragment of one) keeps its padding mask; save_rank never writes it.
+_PAD_MASK = "_gradstat_pad_mask"
 
 
 class LayoutError(GradstatError, ValueError):
@@ -120,14 +133,37 @@ class Layout:
         """``{axis: (rank_on_axis, axis_size)}`` of ``rank``, as ``save_rank`` takes them."""
         if not 0 <= rank < self.world_size:
             raise LayoutError(f"rank {rank} is outside world size {self.world_size}")
-        dense = _unravel(
-            rank, (("tp", self.tp), ("cp", self.cp), ("gtp", self.gtp), ("dp", self.dp))
-        )
+        dense = _unravel(rank, [(axis, getattr(self, axis)) for axis in DENSE_AXES])
         expert = _unravel(
-            rank % self.stage_size,
-            (("etp", self.etp), ("ep", self.ep), ("egtp", self.egtp), ("edp", self.edp)),
+            rank % self.stage_size, [(axis, getattr(self, axis)) for axis in EXPERT_AXES]
         )
         return dense | expert | {"pp": (rank // self.stage_size, self.pp)}
+
+    def groups(self, axes: Collection[str]) -> list[list[int]]:
+        """The ranks of every Megatron group along ``axes``, as ``dist.new_group`` takes them.
+
+        A group is the ranks whose coordinates differ on ``axes`` only, among the dense axes
+        (tp, cp, gtp, dp, pp) or among the expert ones (etp, ep, egtp, edp, pp); groups come in
+        the order of their lowest rank, so every process makes them in the same order.
+
+        Raises:
+            LayoutError: ``axes`` mixes dense and expert axes or names an unknown one.
+        """
+        family = next(
+            ((*names, "pp") for names in (DENSE_AXES, EXPERT_AXES) if set(axes) <= {*names, "pp"}),
+            None,
+        )
+        if family is None:
+            raise LayoutError(
+                f"layout: axes {sorted(axes)} are not all dense ({', '.join(DENSE_AXES)}, pp) "
+                f"or all expert ({', '.join(EXPERT_AXES)}, pp)"
+            )
+        others = [axis for axis in family if axis not in axes]
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for rank in range(self.world_size):
+            coords = self.coords(rank)
+            groups.setdefault(tuple(coords[axis][0] for axis in others), []).append(rank)
+        return list(groups.values())
 
 
 def data_parallel_with_cp(coords: Mapping[str, Sequence[int]]) -> tuple[int, int]:
@@ -184,6 +220,16 @@ class RankParams:
 def gtp_pad_rows(rows: int, align: int, gtp_size: int) -> int:
     """Zero rows that make ``rows`` a multiple of ``align * gtp_size``."""
     return -rows % (align * gtp_size)
+
+
+def padding_mask(param: Any) -> Tensor | None:
+    """Which elements of a GTP shard's (or its fragment's) gradient are padding, as booleans.
+
+    The mask is cut from a padded tensor the way the gradient was, so it shows where padding
+    really is, independently of gradstat's padding arithmetic. None for any other parameter.
+    """
+    mask: Tensor | None = getattr(param, _PAD_MASK, None)
+    return mask
 
 
 def _check(layout: Layout, specs: Sequence[ParamLayout], grads: Mapping[str, Tensor]) -> None:
@@ -245,11 +291,21 @@ def _param(grad: Tensor, attrs: Mapping[str, Any]) -> torch.nn.Parameter:
     return param
 
 
+def _gtp_shard(grad: Tensor, pad: int, gtp_rank: int, gtp_size: int) -> tuple[Tensor, Tensor]:
+    """Rank ``gtp_rank``'s shard of ``grad`` padded with ``pad`` zero rows, and its padding
+    mask, made by padding and splitting a real mask the same way."""
+    padded = torch.cat([grad, grad.new_zeros((pad, *grad.shape[1:]))])
+    is_pad = torch.zeros(padded.shape, dtype=torch.bool)
+    is_pad[grad.shape[0] :] = True
+    return padded.chunk(gtp_size)[gtp_rank], is_pad.chunk(gtp_size)[gtp_rank].clone()
+
+
 def _model_params(
     layout: Layout,
     specs: Sequence[ParamLayout],
     grads: Mapping[str, Tensor],
     coords: Mapping[str, tuple[int, int]],
+    gtp_groups: Mapping[str, Any],
 ) -> list[tuple[str, torch.nn.Parameter]]:
     """The model params one rank holds: TP/GTP shards with attributes, in ``specs`` order."""
     stage_of = {spec.name: spec.stage for spec in specs}
@@ -284,11 +340,14 @@ def _model_params(
         gtp_rank, gtp_size = coords[gtp_axis]
         if spec.gtp and gtp_size > 1:
             pad = gtp_pad_rows(grad.shape[0], layout.gtp_align, gtp_size)
-            padded = torch.cat([grad, grad.new_zeros((pad, *grad.shape[1:]))])
-            grad = padded.chunk(gtp_size)[gtp_rank]
+            grad, mask = _gtp_shard(grad, pad, gtp_rank, gtp_size)
+            group = gtp_groups.get(gtp_axis)
             attrs.update(
-                is_gtp_weight_remat=True, pad_length=pad, group=AxisPlace(gtp_rank, gtp_size)
+                is_gtp_weight_remat=True,
+                pad_length=pad,
+                group=AxisPlace(gtp_rank, gtp_size) if group is None else group,
             )
+            attrs[_PAD_MASK] = mask
         if source != spec.name:
             attrs.update(shared=True, shared_embedding=True)
         elif spec.name in copied_across_stages:
@@ -298,26 +357,43 @@ def _model_params(
     return params
 
 
-def _fragments(
+def fragments(
     params: Sequence[tuple[str, torch.nn.Parameter]], dp_rank: int, dp_size: int
 ) -> list[tuple[str, torch.nn.Parameter]]:
-    """The distributed optimizer's main params of ``dp_rank``: its range of the flat buffer."""
+    """The distributed optimizer's main params of ``dp_rank``: its range of the flat buffer.
+
+    ``params`` (one category, dense or expert, in order) are laid end to end in one flat buffer
+    split into ``dp_size`` equal ranges; each fragment is ``grad.view(-1)[start:end]`` of a param
+    overlapping this rank's range, with the param's attributes, ``gtp_pad_zeros`` for fragments
+    of GTP shards, ``fragment_offset`` and ``fragment_shape``.
+
+    Args:
+        params: ``(name, param)`` pairs as ``shard_rank`` makes them (model params, not
+            fragments).
+        dp_rank: this rank's place in the group the optimizer shards over.
+        dp_size: that group's size.
+
+    Returns:
+        ``(name, fragment)`` pairs; a fragment's gradient is a view of its param's.
+    """
     total = sum(param.numel() for _, param in params)
     per_rank = -(-total // dp_size)
     low, high = dp_rank * per_rank, min(total, (dp_rank + 1) * per_rank)
-    fragments, offset = [], 0
+    pieces, offset = [], 0
     for name, param in params:
         start, end = max(low, offset) - offset, min(high, offset + param.numel()) - offset
         offset += param.numel()
         if start >= end:
             continue
         attrs = {key: getattr(param, key) for key in FRAGMENT_ATTRS if hasattr(param, key)}
-        if getattr(param, "is_gtp_weight_remat", False):
-            attrs["gtp_pad_zeros"] = gtp_local_pad_zero_count(param, start, end)
+        mask = padding_mask(param)
+        if mask is not None:
+            attrs[_PAD_MASK] = mask.reshape(-1)[start:end]
+            attrs["gtp_pad_zeros"] = int(attrs[_PAD_MASK].sum())
         attrs.update(fragment_offset=start, fragment_shape=list(param.shape))
         assert param.grad is not None
-        fragments.append((name, _param(param.grad.view(-1)[start:end], attrs)))
-    return fragments
+        pieces.append((name, _param(param.grad.view(-1)[start:end], attrs)))
+    return pieces
 
 
 def shard_gradients(
@@ -337,17 +413,71 @@ def shard_gradients(
         LayoutError: a description that does not fit the layout or the gradients.
     """
     _check(layout, specs, grads)
-    ranks = []
-    for rank in range(layout.world_size):
-        coords = layout.coords(rank)
-        params = _model_params(layout, specs, grads, coords)
-        if layout.distributed_optimizer:
-            dense = [(name, p) for name, p in params if getattr(p, "allreduce", True)]
-            expert = [(name, p) for name, p in params if not getattr(p, "allreduce", True)]
-            dense_fragments = _fragments(dense, *data_parallel_with_cp(coords))
-            params = dense_fragments + _fragments(expert, *coords["edp"])
-        ranks.append(RankParams(rank, coords, params))
-    return ranks
+    return [
+        _shard(layout, specs, grads, rank, layout.coords(rank), {})
+        for rank in range(layout.world_size)
+    ]
+
+
+def shard_rank(
+    layout: Layout,
+    specs: Sequence[ParamLayout],
+    grads: Mapping[str, Tensor],
+    rank: int,
+    *,
+    coords: Mapping[str, tuple[int, int]] | None = None,
+    gtp_groups: Mapping[str, Any] | None = None,
+) -> RankParams:
+    """What ``rank`` of a job in ``layout`` holds: ``shard_gradients``'s entry for one rank.
+
+    Args:
+        layout: the parallel layout.
+        specs: every logical parameter (and tied copy), in module order.
+        grads: each logical parameter's full gradient, by name (none for tied copies).
+        rank: the global rank.
+        coords: where the rank sits, ``{axis: (rank_on_axis, axis_size)}`` for every axis,
+            when a live job says so (Megatron's parallel_state); ``layout.coords(rank)`` if
+            None. Sizes must be the layout's.
+        gtp_groups: the ``group`` attribute of GTP shards, by axis ("gtp", "egtp"): a live
+            process group in a multi-process test; ``AxisPlace(rank, size)`` where missing.
+
+    Returns:
+        The rank's coordinates and ``(name, param)`` pairs; every gradient is its own copy.
+
+    Raises:
+        LayoutError: a description that does not fit the layout or the gradients, a rank
+            outside the layout, or coordinates that are not the layout's.
+    """
+    _check(layout, specs, grads)
+    expected = layout.coords(rank)
+    if coords is None:
+        coords = expected
+    for axis, (_, size) in expected.items():
+        place = coords.get(axis)
+        if place is None or place[1] != size or not 0 <= place[0] < size:
+            raise LayoutError(
+                f"rank {rank}: coordinates {dict(coords)} give {axis} {place}, not a place on "
+                f"the layout's {axis} axis of size {size}"
+            )
+    return _shard(layout, specs, grads, rank, dict(coords), gtp_groups or {})
+
+
+def _shard(
+    layout: Layout,
+    specs: Sequence[ParamLayout],
+    grads: Mapping[str, Tensor],
+    rank: int,
+    coords: dict[str, tuple[int, int]],
+    gtp_groups: Mapping[str, Any],
+) -> RankParams:
+    params = _model_params(layout, specs, grads, coords, gtp_groups)
+    if layout.distributed_optimizer:
+        dense = [(name, p) for name, p in params if getattr(p, "allreduce", True)]
+        expert = [(name, p) for name, p in params if not getattr(p, "allreduce", True)]
+        params = fragments(dense, *data_parallel_with_cp(coords)) + fragments(
+            expert, *coords["edp"]
+        )
+    return RankParams(rank, coords, params)
 
 
 def write_snapshot(
@@ -365,7 +495,7 @@ def write_snapshot(
     Raises:
         SnapshotError: a rank file exists already or cannot be written.
     """
-    from .snapshot import save_rank
+    from ..snapshot import save_rank
 
     return [
         save_rank(

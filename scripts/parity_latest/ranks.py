@@ -9,7 +9,7 @@ has them where expected fails loudly. Megatron's optimizer methods (selection, g
 count, the chained optimizer) run unchanged on stand-in objects holding the rank's parameters
 and the groups ``get_megatron_optimizer`` gives them in that version.
 
-Parameters come from tests/_layouts.py's independent sharder, placed at the coordinates
+Parameters come from gradstat.testing's sharder (tests/_jobs.py), placed at the coordinates
 Megatron's ``parallel_state`` gives each rank, GTP shards padded and split by the sharder.
 Three optimizer setups are measured:
 
@@ -36,11 +36,11 @@ from packaging.version import Version
 from torch import Tensor
 
 import gradstat
-import gradstat.layout
+from gradstat import testing
 from gradstat.snapshot import dump_rank
 from gradstat.snapshot.capture import coords_from_megatron
-from tests import _layouts
-from tests._layouts import Layout, RankView
+from tests import _jobs
+from tests._jobs import Job, RankView
 from tests._megatron import _pointed_at_cpu
 from tests._params import param_with
 
@@ -154,7 +154,15 @@ def _chained(optimizers: list[Any]) -> Any:
     return chain
 
 
-def expected_coords(layout: Layout, rank: int) -> dict[str, list[int]]:
+def _unravel(rank: int, axes: list[tuple[str, int]]) -> dict[str, int]:
+    """``rank``'s place on each axis, the first axis the fastest."""
+    coords = {}
+    for axis, size in axes:
+        coords[axis], rank = rank % size, rank // size
+    return coords
+
+
+def expected_coords(layout: Job, rank: int) -> dict[str, list[int]]:
     """Where Megatron's documented rank order puts ``rank``: dense 'tp-gtp_remat-cp-ep-dp-pp',
     experts 'tp-cp-ep-gtp_remat-dp-pp' (parallel_state._inject_gtp_remat_axis: EGTP after EP).
     """
@@ -162,7 +170,7 @@ def expected_coords(layout: Layout, rank: int) -> dict[str, list[int]]:
     expert_axes = [("etp", layout.etp), ("ep", layout.ep), ("egtp", layout.egtp)]
     expert_axes += [("edp", layout.edp), ("pp", layout.pp)]
     sizes = dict(dense_axes) | dict(expert_axes) | {"cp": 1}
-    coords = _layouts._coords(rank, dense_axes) | _layouts._coords(rank, expert_axes)
+    coords = _unravel(rank, dense_axes) | _unravel(rank, expert_axes)
     return {axis: [coords.get(axis, 0), size] for axis, size in sorted(sizes.items())}
 
 
@@ -230,7 +238,7 @@ def _same_tensors(first: list[Tensor], second: list[Tensor]) -> bool:
 
 
 def _optimizer_setup(
-    layout: Layout, view: RankView, params: list[Any], kind: str, mcore: types.ModuleType
+    layout: Job, view: RankView, params: list[Any], kind: str, mcore: types.ModuleType
 ) -> dict[str, Any]:
     """Megatron's and gradstat's statistics of one optimizer setup: dense, expert, chained."""
     from megatron.core import parallel_state as ps
@@ -252,8 +260,8 @@ def _optimizer_setup(
         edp = ps.get_expert_data_parallel_group(
             with_gtp_remat=False, partial_expert_data_parallel=True
         )
-        stamped_dense = _layouts.fragments(dense, dp.rank(), dp.size(), stamp=True)
-        stamped_experts = _layouts.fragments(experts, edp.rank(), edp.size(), stamp=True)
+        stamped_dense = _jobs.fragments(dense, dp.rank(), dp.size(), stamp=True)
+        stamped_experts = _jobs.fragments(experts, edp.rank(), edp.size(), stamp=True)
         if kind == "distopt":
             stamped_dense = _megatron_fragments(stamped_dense, dense)
             stamped_experts = _megatron_fragments(stamped_experts, experts)
@@ -300,7 +308,7 @@ def _optimizer_setup(
     return out
 
 
-def run_layout(rank: int, world_size: int, arg: tuple[Layout, str]) -> dict[str, Any]:
+def run_layout(rank: int, world_size: int, arg: tuple[Job, str]) -> dict[str, Any]:
     """One rank of one layout: coordinates, the three optimizer setups, the dumped snapshots
     (``root/<kind>``, coordinates left to dump_rank) and Megatron's answer on empty lists."""
     from megatron.core import parallel_state as ps
@@ -319,7 +327,7 @@ def run_layout(rank: int, world_size: int, arg: tuple[Layout, str]) -> dict[str,
     )
     try:
         coords = _parallel_state_coords()
-        offline = gradstat.layout.Layout(
+        offline = testing.Layout(
             tp=layout.tp,
             pp=layout.pp,
             dp=layout.dp,
@@ -335,7 +343,7 @@ def run_layout(rank: int, world_size: int, arg: tuple[Layout, str]) -> dict[str,
             "gradstat_layout_coords": {axis: list(place) for axis, place in offline.items()},
         }
         view = _view(coords)
-        params = _layouts.local_params(layout, view)
+        params = _jobs.local_params(layout, view)
         for kind in KINDS:
             result[kind] = _optimizer_setup(layout, view, params, kind, mcore)
             named = [(param._gradstat_name, param) for param in result[kind].pop("members")]

@@ -40,18 +40,19 @@ for _path in (str(_ROOT), str(_HERE)):
 
 import ranks  # noqa: E402
 
-from tests import _layouts  # noqa: E402
-from tests._layouts import Case, Layout, launch  # noqa: E402
+from gradstat.testing import Case, launch  # noqa: E402
+from tests import _jobs  # noqa: E402
+from tests._jobs import Job  # noqa: E402
 from tests._oracle import float64_norm, rel_err, zeros_in  # noqa: E402
 
 # Every layout has 8 ranks, so one launch runs them all, one after the other.
 LAYOUTS = (
-    Layout("tp1-gtp2-dp4", gtp=2, dp=4),
-    Layout("tp2-gtp2-dp2", tp=2, gtp=2, dp=2),
-    Layout("tp2-gtp2-pp2-tied", tp=2, gtp=2, pp=2),
+    Job("tp1-gtp2-dp4", gtp=2, dp=4),
+    Job("tp2-gtp2-dp2", tp=2, gtp=2, dp=2),
+    Job("tp2-gtp2-pp2-tied", tp=2, gtp=2, pp=2),
     # EP before EGTP in Megatron's expert order; align 8 makes an expert fc1 shard all padding.
-    Layout("gtp2-dp4+ep2-egtp2-edp2", gtp=2, dp=4, ep=2, egtp=2, moe=True, align=8),
-    Layout("tp2-gtp2-dp2+etp2-ep2-egtp2", tp=2, gtp=2, dp=2, ep=2, etp=2, egtp=2, moe=True),
+    Job("gtp2-dp4+ep2-egtp2-edp2", gtp=2, dp=4, ep=2, egtp=2, moe=True, align=8),
+    Job("tp2-gtp2-dp2+etp2-ep2-egtp2", tp=2, gtp=2, dp=2, ep=2, etp=2, egtp=2, moe=True),
 )
 # Megatron's no-TE fallback reduces each tensor in fp32; gradstat combines in float64; the
 # snapshot reader's one-pass kernel sums fp32 chunks in fp32 lanes.
@@ -62,12 +63,12 @@ def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _oracle(layout: Layout) -> dict[str, dict[str, Any]]:
+def _oracle(layout: Job) -> dict[str, dict[str, Any]]:
     """float64 norms and exact zero counts of the unpadded gradients, and the GTP padding
     elements a count that keeps them adds (from the sharder's geometry)."""
-    grads = _layouts.oracle_grads(layout.moe)
+    grads = _jobs.oracle_grads(layout.moe)
     padding = {"dense": 0, "expert": 0}
-    for geometry in _layouts.gtp_geometry(layout):
+    for geometry in _jobs.gtp_geometry(layout):
         part = "expert" if ".local_experts." in geometry.name else "dense"
         padding[part] += geometry.pad_elements
     padding["chained"] = padding["dense"] + padding["expert"]
@@ -114,7 +115,7 @@ NORM_WIDTHS = (28, 13, 7, 9, 8, 8, 8, 8, 5)
 ZERO_WIDTHS = (28, 13, 7, 6, 6, 8, 7, 7, 0)
 
 
-def _norm_rows(report: Report, layout: Layout, values: list[dict[str, Any]], oracle: Any) -> None:
+def _norm_rows(report: Report, layout: Job, values: list[dict[str, Any]], oracle: Any) -> None:
     for kind in ranks.KINDS:
         for part in ("dense", "expert") if layout.moe else ("dense",):
             where = f"{layout.name} {kind} {part}"
@@ -157,7 +158,7 @@ def _zero_verdict(
     return "UNEXPLAINED", False
 
 
-def _zero_rows(report: Report, layout: Layout, values: list[dict[str, Any]], oracle: Any) -> None:
+def _zero_rows(report: Report, layout: Job, values: list[dict[str, Any]], oracle: Any) -> None:
     parts = ("dense", "expert", "chained") if layout.moe else ("dense",)
     for kind in ranks.KINDS:
         for part in parts:
@@ -212,7 +213,7 @@ CAPTURE_WIDTHS = (28, 13, 9, 9, 9, 6, 12, 0)
 
 
 def _capture_rows(
-    report: Report, layout: Layout, values: list[dict[str, Any]], oracle: Any, root: Path
+    report: Report, layout: Job, values: list[dict[str, Any]], oracle: Any, root: Path
 ) -> None:
     """dump_rank's coordinates on every rank, then the CLI on each dumped snapshot."""
     coords_ok = all(
@@ -248,7 +249,7 @@ def _capture_rows(
 
 
 def _order_rows(report: Report, values_by_layout: dict[str, list[dict[str, Any]]]) -> None:
-    """gradstat.layout's rank order against Megatron's, rank by rank."""
+    """gradstat.testing's rank order against Megatron's, rank by rank."""
     for name, values in values_by_layout.items():
         moved = [
             rank
@@ -260,7 +261,7 @@ def _order_rows(report: Report, values_by_layout: dict[str, list[dict[str, Any]]
         )
         report.check(placed_ok, f"{name}: parallel_state is not in the documented rank order")
         report.check(
-            not moved, f"{name}: gradstat.layout places ranks {moved} otherwise than Megatron"
+            not moved, f"{name}: gradstat.testing places ranks {moved} otherwise than Megatron"
         )
         if moved:
             first = values[moved[0]]
@@ -272,10 +273,10 @@ def _order_rows(report: Report, values_by_layout: dict[str, list[dict[str, Any]]
             mine, theirs = first["gradstat_layout_coords"], first["expected_coords"]
             detail = ", ".join(f"{axis} {mine[axis][0]} vs {theirs[axis][0]}" for axis in axes)
             report.lines.append(
-                f"{name}: gradstat.layout differs on ranks {moved} (rank {moved[0]}: {detail})"
+                f"{name}: gradstat.testing differs on ranks {moved} (rank {moved[0]}: {detail})"
             )
         else:
-            report.lines.append(f"{name}: gradstat.layout places every rank as Megatron does")
+            report.lines.append(f"{name}: gradstat.testing places every rank as Megatron does")
 
 
 def main(argv: list[str]) -> int:
