@@ -1,9 +1,14 @@
-"""Suite-wide setup: nothing a test sees comes from an earlier run on this machine.
+"""Suite-wide setup and fixtures: the sample data, the CLI in a subprocess, a fresh kernel cache.
 
-The native kernel is compiled into a cache that outlives a run (``~/.cache/gradstat``); the
-suite builds its own into a fresh directory instead, so a library left by another checkout,
-another compiler or an interrupted build never stands in for the one this source makes.
-Subprocesses (the CLI, torchrun, spawned ranks) inherit the setting.
+Nothing a test sees comes from an earlier run on this machine. The native kernel is compiled
+into a cache that outlives a run (``~/.cache/gradstat``); the suite builds its own into a fresh
+directory instead, so a library left by another checkout, another compiler or an interrupted
+build never stands in for the one this source makes. Subprocesses (the CLI, torchrun, spawned
+ranks) inherit the setting.
+
+Markers (registered in pyproject.toml): ``multiprocess`` for tests that spawn gloo ranks or run
+torchrun, ``slow`` for tests that take more than a few seconds; ``-m "not slow"`` is the quick
+run, and a plain ``pytest`` runs everything.
 """
 
 from __future__ import annotations
@@ -12,8 +17,27 @@ import atexit
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests._cli import SAMPLE_DATA, run_gradstat
 
 if "GRADSTAT_CACHE" not in os.environ:
     _CACHE = tempfile.mkdtemp(prefix="gradstat-test-cache-")
     os.environ["GRADSTAT_CACHE"] = _CACHE
     atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def sample_data() -> Path:
+    """The four 8-rank snapshots of sample_data/ (read-only: copy one before changing it)."""
+    return SAMPLE_DATA
+
+
+@pytest.fixture(name="run_gradstat", scope="session")
+def _run_gradstat() -> Callable[..., Any]:
+    """``run_gradstat(*args, nproc=None, ...)`` of tests/_cli.py: the CLI in a subprocess."""
+    return run_gradstat

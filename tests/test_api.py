@@ -10,6 +10,7 @@ import pytest
 
 import gradstat
 import gradstat.clip_grads
+from tests._cli import run_gradstat
 
 SIGNATURES = {
     "get_grad_norm_fp32": "(grads_for_norm, norm_type=2, grad_stats_parallel_group=None)",
@@ -74,6 +75,6 @@ def test_help_does_not_import_torch() -> None:
 
 
 def test_version_from_module_entry_point() -> None:
-    result = _run("-m", "gradstat", "--version")
+    result = run_gradstat("--version", timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"gradstat {gradstat.__version__}"

@@ -18,10 +18,9 @@ from typer.testing import CliRunner
 from gradstat.cli import app
 from gradstat.testing import Layout, RankParams
 from tests import _model
+from tests._cli import SAMPLE_DATA
 from tests._model import EMBEDDING, LAYERNORM, OUTPUT, PROJ, QKV, expert, full_grads, params_named
 from tests._oracle import float64_norm, rel_err
-
-SAMPLES = Path(__file__).resolve().parent.parent / "sample_data"
 
 
 def _audit(directory: Path, *args: str) -> tuple[int, dict[str, Any]]:
@@ -81,7 +80,7 @@ def test_clean_snapshot_has_no_finding(tmp_path: Path, layout: Layout) -> None:
 
 @pytest.mark.parametrize("sample", ["tp2-pp2-dp2-ep2-distopt", "gtp2-pp2-dp2-ep2"])
 def test_sample_snapshots_are_clean(sample: str) -> None:
-    code, report = _audit(SAMPLES / sample)
+    code, report = _audit(SAMPLE_DATA / sample)
     assert code == 0 and report["findings"] == []
 
 

@@ -25,8 +25,9 @@ import pytest
 from typer.testing import CliRunner
 
 from gradstat.cli import app
+from tests._cli import SAMPLE_DATA
 
-SAMPLE = Path(__file__).resolve().parent.parent / "sample_data" / "gtp2-pp2-dp2-ep2"
+SAMPLE = SAMPLE_DATA / "gtp2-pp2-dp2-ep2"
 RANK1 = "rank-00001.safetensors"
 
 

@@ -193,6 +193,8 @@ def _dump_fsdp_rank(rank: int, world_size: int, directory: str) -> None:
     dump_rank(directory, pairs, mesh=mesh, distributed_optimizer=True, step=1)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_fsdp2_dtensor_gradients_count_once(tmp_path: Path) -> None:
     """Shard(0) pieces (one of them short) count each; the Replicate bias counts once."""
     snapshot_dir = tmp_path / "snapshot"
@@ -292,6 +294,8 @@ def _partial_gradient(rank: int, world_size: int, directory: str) -> str:
     return "no error"
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_a_partial_gradient_is_refused_live_and_in_a_snapshot(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 

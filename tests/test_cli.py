@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +12,11 @@ import pytest
 from typer.testing import CliRunner
 
 from gradstat.cli import app
+from tests._cli import SAMPLE_DATA, run_gradstat
 from tests._jobs import Job, dump_layout, full_grads, model_specs
 from tests._oracle import float64_norm, rel_err, zeros_in
 
 LAYOUT = Job("tp2_pp2_ep2_gtp2_moe", tp=2, pp=2, gtp=2, ep=2, moe=True, align=8)
-SAMPLES = Path(__file__).resolve().parent.parent / "sample_data"
 
 
 @pytest.fixture(scope="module")
@@ -94,18 +93,8 @@ def test_inspect_json(snapshot_dir: Path) -> None:
     assert all(row["expert"] == ("experts" in name) for name, row in rows.items())
 
 
-def _gradstat(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "gradstat", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-
-
 def test_nonfinite_gradients_are_located_and_exit_1() -> None:
-    result = _gradstat("norm", str(SAMPLES / "tp2-pp2-dp2-ep2-distopt-nan"), "--json")
+    result = run_gradstat("norm", str(SAMPLE_DATA / "tp2-pp2-dp2-ep2-distopt-nan"), "--json")
     assert result.returncode == 1
     report = json.loads(result.stdout)  # exactly one JSON document on stdout
     assert report["total_norm"] == "nan"
@@ -127,7 +116,7 @@ def test_nonfinite_gradients_are_located_and_exit_1() -> None:
 
 
 def test_table_output_names_the_nonfinite_rank() -> None:
-    result = _gradstat("norm", str(SAMPLES / "tp2-pp2-dp2-ep2-distopt-nan"))
+    result = run_gradstat("norm", str(SAMPLE_DATA / "tp2-pp2-dp2-ep2-distopt-nan"))
     assert result.returncode == 1
     assert "non-finite gradients" in result.stdout
     assert "decoder.layers.1.self_attention.linear_qkv.weight" in result.stdout
@@ -161,14 +150,14 @@ NORM_TYPES_TOLD = "use 2, 1, inf or a number p > 0"
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str, tmp_path: Path) -> None:
-    substitutions = {"SAMPLE": str(SAMPLES / "gtp2-pp2-dp2-ep2"), "EMPTY": str(tmp_path)}
-    result = _gradstat(*[substitutions.get(arg, arg) for arg in args])
+    substitutions = {"SAMPLE": str(SAMPLE_DATA / "gtp2-pp2-dp2-ep2"), "EMPTY": str(tmp_path)}
+    result = run_gradstat(*[substitutions.get(arg, arg) for arg in args])
     expected = "gradstat: error: " + message.replace("EMPTY", str(tmp_path))
     assert _one_error_line(result) == expected
 
 
 def test_unknown_command_is_a_usage_error() -> None:
-    assert _one_error_line(_gradstat("nonsense")) == (
+    assert _one_error_line(run_gradstat("nonsense")) == (
         "gradstat: error: no such command 'nonsense'; see 'python -m gradstat --help'"
     )
 
@@ -214,15 +203,15 @@ def test_clip_below_max_norm_copies_unchanged(snapshot_dir: Path, tmp_path: Path
 
 
 def test_clip_refuses_nonfinite_unless_asked(tmp_path: Path) -> None:
-    source = SAMPLES / "tp2-pp2-dp2-ep2-distopt-nan"
+    source = SAMPLE_DATA / "tp2-pp2-dp2-ep2-distopt-nan"
     out = tmp_path / "out"
-    result = _gradstat("clip", str(source), "--max-norm", "1", "--out", str(out))
+    result = run_gradstat("clip", str(source), "--max-norm", "1", "--out", str(out))
     assert _one_error_line(result) == (
         f"gradstat: error: {source}: the 2 norm is nan; refusing to write a clipped copy of "
         "non-finite gradients (gradstat norm locates them; --allow-nonfinite writes it anyway)"
     )
     assert not out.exists() and list(tmp_path.iterdir()) == []
-    result = _gradstat(
+    result = run_gradstat(
         "clip", str(source), "--max-norm", "1", "--out", str(out), "--allow-nonfinite"
     )
     assert result.returncode == 0, result.stderr
@@ -240,7 +229,7 @@ def test_clip_refuses_unsafe_outputs(snapshot_dir: Path, tmp_path: Path, where: 
         out.mkdir()
         (out / "keep.txt").write_text("mine")
     before = _digest(snapshot_dir)
-    result = _gradstat("clip", str(snapshot_dir), "--max-norm", "1", "--out", str(out))
+    result = run_gradstat("clip", str(snapshot_dir), "--max-norm", "1", "--out", str(out))
     problem = {
         "nonempty": "exists and is not an empty directory; choose a new one",
         "inside": "the output must not be the input snapshot or inside it",

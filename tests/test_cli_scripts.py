@@ -23,13 +23,12 @@ import torch
 from rich.filesize import decimal
 
 from gradstat.snapshot import save_rank
+from tests._cli import ROOT, SAMPLE_DATA, run_gradstat
 from tests._oracle import float64_norm
 from tests._params import param_with
 
-ROOT = Path(__file__).resolve().parent.parent
-SAMPLES = ROOT / "sample_data"
-SAMPLE = SAMPLES / "tp2-pp2-dp2-ep2-distopt"
-NAN_SAMPLE = SAMPLES / "tp2-pp2-dp2-ep2-distopt-nan"
+SAMPLE = SAMPLE_DATA / "tp2-pp2-dp2-ep2-distopt"
+NAN_SAMPLE = SAMPLE_DATA / "tp2-pp2-dp2-ep2-distopt-nan"
 BIN = Path(sys.executable).parent
 GRADSTAT, TORCHRUN = str(BIN / "gradstat"), str(BIN / "torchrun")
 # The launcher's banner about OMP_NUM_THREADS is torch's, not gradstat's: set it, no banner.
@@ -47,15 +46,16 @@ def _run(
 
 
 def _gradstat(*args: str | Path, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return _run([GRADSTAT, *map(str, args)], cwd)
+    return run_gradstat(*args, script=True, cwd=cwd, env={"OMP_NUM_THREADS": "1"})
 
 
 def _torchrun(
     *args: str | Path, processes: int, cwd: Path, launcher: list[str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     """``torchrun --standalone --nproc-per-node N -m gradstat ARGS``, as the README says."""
-    start = [TORCHRUN, "--standalone", f"--nproc-per-node={processes}", *(launcher or [])]
-    return _run([*start, "-m", "gradstat", *map(str, args)], cwd)
+    return run_gradstat(
+        *args, nproc=processes, launcher=launcher or [], cwd=cwd, env={"OMP_NUM_THREADS": "1"}
+    )
 
 
 def _error_lines(stderr: str) -> list[str]:
@@ -139,6 +139,8 @@ def test_compare_and_audit_json_list_every_mismatch_and_finding(tmp_path: Path) 
 
 
 @pytest.mark.parametrize("processes", [2, 3])
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_torchrun_module_form_works_from_another_directory(tmp_path: Path, processes: int) -> None:
     alone = _gradstat("norm", SAMPLE, "--json", cwd=tmp_path)
     launched = _torchrun("norm", SAMPLE, "--json", processes=processes, cwd=tmp_path)
@@ -147,6 +149,8 @@ def test_torchrun_module_form_works_from_another_directory(tmp_path: Path, proce
     assert json.loads(launched.stdout)["total_norm"] == pytest.approx(5.4156357, rel=1e-7)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_the_script_form_fails_outside_the_checkout(tmp_path: Path) -> None:
     """Why the README says ``-m gradstat``: torchrun takes a bare name for a script path."""
     start = [TORCHRUN, "--standalone", "--nproc-per-node=2", "gradstat", "norm", str(SAMPLE)]
@@ -170,13 +174,15 @@ def test_help_gives_the_torchrun_command(tmp_path: Path) -> None:
 
 def _broken_copy(tmp_path: Path) -> tuple[Path, Path]:
     snapshot = tmp_path / "broken"
-    shutil.copytree(SAMPLES / "gtp2-pp2-dp2-ep2", snapshot)
+    shutil.copytree(SAMPLE_DATA / "gtp2-pp2-dp2-ep2", snapshot)
     victim = snapshot / "rank-00003.safetensors"
     victim.write_bytes(victim.read_bytes()[:100])
     return snapshot, victim
 
 
 @pytest.mark.parametrize("processes", [2, 3])
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_an_error_every_process_meets_is_said_once(tmp_path: Path, processes: int) -> None:
     snapshot, victim = _broken_copy(tmp_path)
     status = tmp_path / "status"
@@ -202,6 +208,8 @@ def test_an_error_every_process_meets_is_said_once(tmp_path: Path, processes: in
     ],
     ids=["usage", "norm type", "missing snapshot", "clip into the input"],
 )
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_errors_before_and_after_joining_are_said_once(
     tmp_path: Path, args: list[str], message: str
 ) -> None:
@@ -223,6 +231,8 @@ def test_errors_before_and_after_joining_are_said_once(
     [(SAMPLE, 0, 0), (NAN_SAMPLE, 1, 1)],
     ids=["clean", "nan"],
 )
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_status_file_keeps_gradstats_status_under_torchrun(
     tmp_path: Path, snapshot: Path, torchrun_status: int, gradstat_status: int
 ) -> None:
@@ -286,6 +296,8 @@ def test_clip_creates_missing_parents(tmp_path: Path) -> None:
     assert json.loads(again.stdout)["total_norm"] == pytest.approx(1.0, rel=1e-6)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_clip_under_torchrun_creates_missing_parents(tmp_path: Path) -> None:
     out = tmp_path / "x" / "y"
     result = _torchrun("clip", SAMPLE, "--max-norm", "1", "--out", out, processes=2, cwd=tmp_path)
@@ -340,6 +352,8 @@ def test_without_numpy_torch_warns_but_gradstat_does_not(
         assert result.stdout
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_without_numpy_under_torchrun_only_the_launcher_warns(
     tmp_path: Path, without_numpy: dict[str, str]
 ) -> None:
@@ -407,6 +421,8 @@ def test_one_tiny_gradient_is_not_all_zero(tmp_path: Path, command: str) -> None
     assert json.loads(_gradstat("norm", SAMPLE, "--json", cwd=tmp_path).stdout)["all_zero"] is False
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_all_zero_under_torchrun_keeps_status_1(zero: Path, tmp_path: Path) -> None:
     status = tmp_path / "status"
     result = _torchrun("norm", zero, "--json", "--status-file", status, processes=2, cwd=tmp_path)
@@ -500,6 +516,8 @@ def test_no_progress_bar_in_json_mode_or_on_a_pipe(tmp_path: Path) -> None:
     assert piped.returncode == 0 and piped.stderr == ""
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_under_torchrun_process_0_alone_draws_everyones_progress(tmp_path: Path) -> None:
     """Each process's stderr goes to its own log file, which rich is told is a terminal
     (TTY_COMPATIBLE, TTY_INTERACTIVE); process 0 counts the 8 rank files of both processes."""

@@ -22,11 +22,11 @@ import torch
 
 from gradstat.render import visible
 from gradstat.snapshot import save_rank
+from tests._cli import SAMPLE_DATA, run_gradstat
 from tests._params import param_with
 
-SAMPLES = Path(__file__).resolve().parent.parent / "sample_data"
-SAMPLE = SAMPLES / "gtp2-pp2-dp2-ep2"
-NAN_SAMPLE = SAMPLES / "tp2-pp2-dp2-ep2-distopt-nan"
+SAMPLE = SAMPLE_DATA / "gtp2-pp2-dp2-ep2"
+NAN_SAMPLE = SAMPLE_DATA / "tp2-pp2-dp2-ep2-distopt-nan"
 
 # Each replicated parameter's name, and how a table shows it.
 REPLICATED = {
@@ -95,14 +95,7 @@ def _shown_path(path: Path) -> str:
 
 
 def _gradstat(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "gradstat", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env={**os.environ, "PYTHONIOENCODING": "utf-8:strict"},
-    )
+    return run_gradstat(*args, env={"PYTHONIOENCODING": "utf-8:strict"}, timeout=120)
 
 
 def _digest(directory: Path) -> dict[str, bytes]:

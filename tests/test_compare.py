@@ -13,10 +13,9 @@ from typer.testing import CliRunner
 from gradstat.cli import app
 from gradstat.testing import Layout, RankParams
 from tests import _model
+from tests._cli import SAMPLE_DATA
 from tests._model import EMBEDDING, LAYERNORM, PROJ, QKV, expert, full_grads, params_named
 from tests._oracle import float64_norm, rel_err, zeros_in
-
-SAMPLES = Path(__file__).resolve().parent.parent / "sample_data"
 
 
 def _compare(a: Path, b: Path, *args: str) -> tuple[int, dict[str, Any]]:
@@ -150,10 +149,12 @@ def test_fragments_without_offsets_are_compared_by_norm_only(tmp_path: Path) -> 
 
 
 def test_sample_layouts_agree_and_the_nan_copy_is_flagged() -> None:
-    code, report = _compare(SAMPLES / "tp2-pp2-dp2-ep2-distopt", SAMPLES / "gtp2-pp2-dp2-ep2")
+    code, report = _compare(
+        SAMPLE_DATA / "tp2-pp2-dp2-ep2-distopt", SAMPLE_DATA / "gtp2-pp2-dp2-ep2"
+    )
     assert code == 0 and all(row["max_abs_diff"] == 0.0 for row in report["params"])
     code, report = _compare(
-        SAMPLES / "tp2-pp2-dp2-ep2-distopt", SAMPLES / "tp2-pp2-dp2-ep2-distopt-nan"
+        SAMPLE_DATA / "tp2-pp2-dp2-ep2-distopt", SAMPLE_DATA / "tp2-pp2-dp2-ep2-distopt-nan"
     )
     assert code == 1
     assert report["mismatches"] == [
@@ -182,7 +183,9 @@ def test_table_names_the_flagged_parameters(tmp_path: Path) -> None:
 
 
 def test_bad_second_snapshot_is_one_line(tmp_path: Path) -> None:
-    result = CliRunner().invoke(app, ["compare", str(SAMPLES / "gtp2-pp2-dp2-ep2"), str(tmp_path)])
+    result = CliRunner().invoke(
+        app, ["compare", str(SAMPLE_DATA / "gtp2-pp2-dp2-ep2"), str(tmp_path)]
+    )
     assert result.exit_code == 2
     assert (
         result.stderr.strip()

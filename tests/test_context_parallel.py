@@ -320,6 +320,8 @@ def megatron(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, A
     return report.values("megatron"), root
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_megatron_coordinates_are_gradstat_layouts(
     megatron: tuple[list[dict[str, Any]], Path],
 ) -> None:
@@ -333,6 +335,8 @@ def test_megatron_coordinates_are_gradstat_layouts(
         assert got["coords"]["cp"] == [(rank // 2) % 2, 2]
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_megatron_groups_are_the_independent_sharders(
     megatron: tuple[list[dict[str, Any]], Path],
 ) -> None:
@@ -359,6 +363,8 @@ def test_megatron_groups_are_the_independent_sharders(
 
 
 @pytest.mark.parametrize("optimizer", ["plain", "distopt"])
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_live_statistics_over_megatrons_groups_equal_float64(
     megatron: tuple[list[dict[str, Any]], Path], optimizer: str
 ) -> None:
@@ -375,6 +381,8 @@ def test_live_statistics_over_megatrons_groups_equal_float64(
         assert stats["zeros"] == zeros_in(grads), rank
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_snapshots_dumped_under_megatron_give_float64_and_agree(
     megatron: tuple[list[dict[str, Any]], Path], tmp_path: Path
 ) -> None:

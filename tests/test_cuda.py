@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from gradstat import clip_grad_by_total_norm_fp32, count_zeros_fp32, get_grad_norm_fp32
+from tests._cli import SAMPLE_DATA, run_gradstat
 from tests._oracle import float64_norm, rel_err, zeros_in
 from tests._params import param_with
 
@@ -96,13 +97,7 @@ def _cli_json(args: list[str], device: str) -> Any:
     """The CLI's JSON document for ``args`` on ``device`` (it must exit 0)."""
     import json
 
-    result = subprocess.run(
-        [sys.executable, "-m", "gradstat", *args, "--json", "--device", device],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    result = run_gradstat(*args, "--json", "--device", device)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -110,7 +105,7 @@ def _cli_json(args: list[str], device: str) -> Any:
 def test_cli_on_cuda_prints_what_cpu_prints() -> None:
     """--device cuda reduces each tensor on the GPU; the numbers match the CPU's to 1e-6."""
 
-    sample = Path(__file__).resolve().parent.parent / "sample_data" / "gtp2-pp2-dp2-ep2"
+    sample = SAMPLE_DATA / "gtp2-pp2-dp2-ep2"
     reports = {}
     for device in ("cpu", "cuda"):
         reports[device] = _cli_json(["norm", str(sample)], device)
@@ -122,7 +117,7 @@ def test_cli_on_cuda_prints_what_cpu_prints() -> None:
 
 def test_compare_and_audit_on_cuda_find_what_cpu_finds() -> None:
 
-    samples = Path(__file__).resolve().parent.parent / "sample_data"
+    samples = SAMPLE_DATA
     runs = {
         "compare": [str(samples / "tp2-pp2-dp2-ep2-distopt"), str(samples / "gtp2-pp2-dp2-ep2")],
         "audit": [str(samples / "tp2-pp2-dp2-ep2-distopt-nan")],

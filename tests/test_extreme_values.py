@@ -12,7 +12,6 @@ import decimal
 import json
 import math
 import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from gradstat import get_grad_norm_fp32, kernels, native
 from gradstat.cli import app
 from gradstat.snapshot import save_rank
 from gradstat.testing import Case, launch
+from tests._cli import run_gradstat
 from tests._params import param_with
 
 CPU = torch.device("cpu")
@@ -302,6 +302,8 @@ def reduced_norm_on_rank(rank: int, world_size: int, arg: tuple[list[float], flo
     return kernels.reduced_norm(p, reduce)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_every_gloo_rank_takes_the_same_path(tmp_path: Path) -> None:
     cases = [
         ("mixed", ([1.0, 1e-300, 1e-170], 2.0)),
@@ -347,13 +349,7 @@ def cli(*args: str) -> tuple[int, str, str]:
 
 def gradstat_process(*args: str) -> subprocess.CompletedProcess[str]:
     """A separate process: a fault (SIGSEGV on a read-only mapping) must not take pytest down."""
-    return subprocess.run(
-        [sys.executable, "-m", "gradstat", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    return run_gradstat(*args, timeout=120)
 
 
 def few_grads() -> list[Tensor]:

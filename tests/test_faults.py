@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from gradstat.snapshot import Snapshot, save_rank
+from tests._cli import SAMPLE_DATA, run_gradstat
 from tests._params import param_with
 
-SAMPLE = Path(__file__).resolve().parent.parent / "sample_data" / "gtp2-pp2-dp2-ep2"
+SAMPLE = SAMPLE_DATA / "gtp2-pp2-dp2-ep2"
 
 
 @pytest.fixture(scope="module")
@@ -101,13 +102,7 @@ def test_clip_killed_while_writing_leaves_nothing_that_looks_complete(
 @pytest.mark.skipif(not os.path.isdir("/sys/kernel"), reason="needs Linux's read-only /sys")
 def test_clip_into_a_directory_that_refuses_writes() -> None:
     out = "/sys/kernel/gradstat-out"
-    result = subprocess.run(
-        [sys.executable, "-m", "gradstat", "clip", str(SAMPLE), "--max-norm", "1", "--out", out],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    result = run_gradstat("clip", SAMPLE, "--max-norm", "1", "--out", out, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().startswith("gradstat: error: /sys/kernel/gradstat-out: cannot")
     assert len(result.stderr.strip().splitlines()) == 1
@@ -141,6 +136,8 @@ main()
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs POSIX signals")
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_a_frozen_process_is_named_by_the_others(large_snapshot: Path) -> None:
     """Two processes as a launcher starts them; process 1 freezes while reading its files."""
     port = _free_port()
@@ -227,6 +224,8 @@ print("finished")
         ("before the gather", "SIGKILL"),
     ],
 )
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_a_process_lost_at_any_point_is_named(tmp_path: Path, where: str, how: str) -> None:
     """Issue 14 item 11: a process frozen after its work was done used to fail the others'
     gather, which said "another process failed or was lost"; and the second exchange of a run

@@ -32,6 +32,8 @@ from tests._jobs import (
 )
 from tests._oracle import float64_norm, zeros_in
 
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
 LAYOUTS = [
     # world size 2
     Job("tp2", tp=2),

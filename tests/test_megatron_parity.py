@@ -30,9 +30,11 @@ if importlib.util.find_spec("megatron") is None:
 
 from tests._megatron import NORM_TYPES, run_clip_and_empty, run_parity
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:Transformer Engine and Apex are not installed:UserWarning"
-)
+pytestmark = [
+    pytest.mark.multiprocess,
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore:Transformer Engine and Apex are not installed:UserWarning"),
+]
 
 LAYOUT = Job("tp2-pp2-dp2-ep2", tp=2, pp=2, dp=2, ep=2, etp=2, moe=True)
 # Megatron's no-TE fallback reduces each tensor in fp32; gradstat combines in float64.

@@ -21,9 +21,9 @@ import gradstat
 from gradstat.recorder import complete_snapshots
 from gradstat.testing import Case, launch
 from tests import _jobs, _torch_native
+from tests._cli import recipe
 from tests._jobs import Job
 from tests._oracle import float64_norm, rel_err
-from tests.test_torch_native import recipe
 
 NAN_STEP, SPIKE_STEP, STEPS = 7, 12, 14
 
@@ -130,6 +130,8 @@ def _fsdp2_loop(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     return {"norms": norms, "expected": expected, "records": fired}
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_fsdp2_loop_catches_the_nan_and_the_spike(tmp_path: Path) -> None:
     dumps = tmp_path / "dumps"
     case = Case("loop", _fsdp2_loop, str(dumps))
@@ -168,6 +170,8 @@ def _lost_while_dumping(rank: int, world_size: int, directory: str) -> list[Any]
     return [(record.step, record.triggers, record.snapshot) for record in recorder.records]
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_a_rank_lost_while_dumping_leaves_no_snapshot_that_reads_as_complete(
     tmp_path: Path,
 ) -> None:
@@ -220,6 +224,8 @@ def _megatron_loop(rank: int, world_size: int, directory: str) -> dict[str, Any]
 
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")
 @pytest.mark.filterwarnings("ignore:Transformer Engine and Apex are not installed:UserWarning")
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_megatron_loop_catches_the_nan_and_the_spike(tmp_path: Path) -> None:
     dumps = tmp_path / "dumps"
     case = Case("megatron", _megatron_loop, str(dumps))

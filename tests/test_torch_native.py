@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,9 +21,11 @@ from typer.testing import CliRunner
 from gradstat.cli import app
 from gradstat.testing import Case, LaunchReport, launch
 from tests import _torch_native as native
+from tests._cli import recipe
 from tests._oracle import rel_err
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
 MAX_NORM = 0.5  # below every job's norm (about 6.3): clipping scales
 REL = 1e-6
 # Where PyTorch's own clip_grad_norm_ works: every DTensor on one mesh (or none).
@@ -38,14 +39,6 @@ PLANTED_SHARD, SHARD_PARAM, SHARD_VALUE = (
     "layers.0.attention.wq.weight",
     3.25,
 )
-
-
-def recipe(name: str) -> str:
-    """The README's code block that starts with ``# recipe: NAME``."""
-    blocks = re.findall(r"```python\n(# recipe: (\w+)\n.*?)```", README.read_text(), re.S)
-    found = [code for code, label in blocks if label == name]
-    assert len(found) == 1, f"README has {len(found)} '# recipe: {name}' blocks"
-    return found[0]
 
 
 def _full(grad: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_data"
 
 
