@@ -2,7 +2,10 @@
 process, against a fresh ``python -c "import torch"`` (what any torch tool pays first).
 
 The two run alternately (ABBA), each timed from the launch to the exit, so a drift in the
-machine's load cancels out of each repeat's difference. Prints the median of the per-repeat
+machine's load cancels out of each repeat's difference. Both may cache bytecode
+(``PYTHONDONTWRITEBYTECODE`` is dropped from their environment), as an installed package has its
+``.pyc`` files: torch's are there, and an editable checkout's would otherwise be compiled anew
+on every run. Prints the median of the per-repeat
 differences (ours - peer, seconds) and of the ratios.
 
 Usage::
@@ -13,6 +16,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -20,11 +24,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+ENV = {name: value for name, value in os.environ.items() if name != "PYTHONDONTWRITEBYTECODE"}
 
 
 def _seconds(command: list[str]) -> float:
     start = time.perf_counter()
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, cwd=ROOT, env=ENV)
     return time.perf_counter() - start
 
 

@@ -21,7 +21,7 @@ from . import kernels, native
 from .clip_grads import check_norm_type, grads_for_norm
 from .errors import SnapshotError
 from .predicates import gtp_pad_zero_count, param_is_not_shared
-from .snapshot import RankFile, RebuiltParam, Snapshot
+from .snapshot import RankFile, RebuiltParam, Snapshot, SnapshotShare
 
 __all__ = [
     "NonFinite",
@@ -303,7 +303,7 @@ def snapshot_stats(
 
 
 def snapshot_pieces(
-    snapshot: Snapshot,
+    snapshot: Snapshot | SnapshotShare,
     request: Request,
     ranks: Sequence[int] | None = None,
     on_file: Callable[[RankFile], None] | None = None,

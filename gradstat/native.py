@@ -132,19 +132,25 @@ def native_kernel() -> Any:
 _ENTRY_POINTS = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
+@cache
+def _entry_point(dtype_name: str) -> Any:
+    library = native_library()
+    return None if library is None else getattr(library, f"gradstat_fused_{dtype_name}")
+
+
 def fused(grad: torch.Tensor) -> FusedStats | None:
     """One pass over a CPU fp32 or bf16 tensor (bf16 widened to fp32 in registers); None when
     the kernel is unavailable or does not apply."""
     dtype_name = _ENTRY_POINTS.get(grad.dtype)
     if grad.device.type != "cpu" or dtype_name is None:
         return None
-    library = native_library()
-    if library is None:
+    function = _entry_point(dtype_name)
+    if function is None:
         return None
     flat = grad.contiguous()
     sum_squares, zeros = ctypes.c_double(), ctypes.c_int64()
     max_abs, has_nan = ctypes.c_float(), ctypes.c_int32()
-    status = getattr(library, f"gradstat_fused_{dtype_name}")(
+    status = function(
         flat.data_ptr(),
         flat.numel(),
         torch.get_num_threads(),

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .analysis import SnapshotStats
     from .placements import MeshPlacement
-from .snapshot import Snapshot
+from .snapshot import Snapshot, SnapshotShare
 
 __all__ = [
     "ClipReport",
@@ -55,7 +55,7 @@ class SnapshotInfo:
     distributed_optimizer: bool
 
 
-def snapshot_info(snapshot: Snapshot) -> SnapshotInfo:
+def snapshot_info(snapshot: Snapshot | SnapshotShare) -> SnapshotInfo:
     return SnapshotInfo(
         str(snapshot.directory),
         snapshot.world_size,
@@ -123,7 +123,7 @@ def _by_contribution(row: ParamNormRow) -> tuple[bool, float]:
 
 
 def norm_report(
-    snapshot: Snapshot,
+    snapshot: Snapshot | SnapshotShare,
     stats: SnapshotStats,
     norm_type: float,
     max_norm: float | None = None,
@@ -227,7 +227,7 @@ def _sparsity(zeros: int, elements: int) -> float:
     return zeros / elements if elements else 0.0
 
 
-def zeros_report(snapshot: Snapshot, stats: SnapshotStats) -> ZerosReport:
+def zeros_report(snapshot: Snapshot | SnapshotShare, stats: SnapshotStats) -> ZerosReport:
     """num_zeros as Megatron counts it (GTP padding excluded), and per parameter."""
     rows = tuple(
         ParamZerosRow(

@@ -16,6 +16,7 @@ import ctypes
 import hashlib
 import itertools
 import json
+import math
 import os
 import shlex
 import stat
@@ -33,10 +34,14 @@ import torch.distributed as dist
 from .analysis import NonFinite, Piece, Request, snapshot_pieces
 from .errors import GradstatError, StoppedTogether
 from .launcher import launch_rank, launched
-from .snapshot import RankFile, Snapshot
+from .snapshot import RankFile, Snapshot, SnapshotShare
 from .snapshot.container import MAX_HEADER_BYTES
+from .snapshot.reader import FileSummary, open_rank_file, rank_file_names
 
 T = TypeVar("T")
+
+# How often a process tells the store how far it is (see ``_Heartbeat.beat``).
+BEAT_INTERVAL_S = 0.2
 
 __all__ = [
     "Place",
@@ -48,6 +53,7 @@ __all__ = [
     "launch_rank",
     "launched",
     "leave",
+    "open_shared",
     "pick_device",
     "process_group",
     "together",
@@ -214,6 +220,35 @@ def together(place: Place, work: Callable[[], T]) -> T:
     return done[0]
 
 
+def open_shared(place: Place, directory: str | os.PathLike[str]) -> Snapshot | SnapshotShare:
+    """The snapshot in ``directory``, each process validating its share of the rank files.
+
+    Alone: :meth:`Snapshot.open`. Under a launcher each process reads and checks the headers
+    of its share (rank files i, i+N, ... by name), the processes exchange every file's summary
+    (its header without the parameter records), and each checks the whole from those as
+    :meth:`Snapshot.open` does: each header is parsed once, by one process, instead of once
+    per process.
+
+    Raises:
+        StoppedTogether: what is wrong with the snapshot (the first error, by process rank),
+            on every process; quiet but on process 0.
+    """
+    if place.size == 1:
+        return Snapshot.open(directory)
+    folder = Path(directory)
+    files: list[RankFile] = []
+
+    def compute(beat: Callable[[int], None]) -> list[dict[str, Any]]:
+        for name in place.share(rank_file_names(folder)):
+            files.append(open_rank_file(folder, name))
+            beat(0)
+        return [FileSummary.of(rank_file).to_json() for rank_file in files]
+
+    shares = _gathered(place, compute)
+    summaries = [FileSummary.from_json(folder, data) for share in shares for data in share]
+    return together(place, lambda: SnapshotShare.assemble(folder, files, summaries))
+
+
 def _stop_together(place: Place, message: str) -> NoReturn:
     """Raise ``message`` on every process, to be said by process 0 alone.
 
@@ -311,7 +346,7 @@ def pick_device(choice: str) -> torch.device:
 
 
 def gather_pieces(
-    snapshot: Snapshot,
+    snapshot: Snapshot | SnapshotShare,
     request: Request,
     place: Place,
     on_file: Callable[[RankFile], None] | None = None,
@@ -326,11 +361,16 @@ def gather_pieces(
         StoppedTogether: any process's error (the first, by process rank), on every process.
         GradstatError: some processes stopped moving (named by number), or, alone, the error.
     """
-    mine = [rank_file.rank for rank_file in place.share(snapshot.files)]
-    total_bytes = sum(rank_file.size_bytes for rank_file in snapshot.files)
+    everyone: Sequence[RankFile | FileSummary]
+    if isinstance(snapshot, SnapshotShare):
+        mine, everyone = snapshot.files, snapshot.summaries
+    else:
+        mine, everyone = tuple(place.share(snapshot.files)), snapshot.files
+    ranks = [rank_file.rank for rank_file in mine]
+    total_bytes = sum(rank_file.size_bytes for rank_file in everyone)
 
     def report(done: int, done_bytes: int) -> None:
-        progress = Progress(stage, done, len(snapshot.files), "rank files", done_bytes, total_bytes)
+        progress = Progress(stage, done, len(everyone), "rank files", done_bytes, total_bytes)
         place.report(progress)
 
     report(0, 0)
@@ -344,7 +384,7 @@ def gather_pieces(
             if on_file is not None:
                 on_file(rank_file)
 
-        return snapshot_pieces(snapshot, request, mine, after_one)
+        return snapshot_pieces(snapshot, request, ranks, after_one)
 
     def compute(beat: Callable[[int], None]) -> list[dict[str, Any]]:
         def after_file(rank_file: RankFile) -> None:
@@ -352,10 +392,11 @@ def gather_pieces(
             if on_file is not None:
                 on_file(rank_file)
 
-        return [asdict(piece) for piece in snapshot_pieces(snapshot, request, mine, after_file)]
+        pieces = snapshot_pieces(snapshot, request, ranks, after_file)
+        return [asdict(piece) for piece in pieces]
 
     shares = _gathered(place, compute, report if place.is_first else None)
-    report(len(snapshot.files), total_bytes)
+    report(len(everyone), total_bytes)
     pieces = [_piece_from(data) for share in shares for data in share]
     # Stable: each file's pieces stay in their order, files come in rank order.
     pieces.sort(key=lambda piece: piece.rank)
@@ -468,6 +509,7 @@ class _Heartbeat:
         self.watch = watch
         self.store = dist.distributed_c10d._get_default_store()
         self.done = self.done_bytes = 0
+        self.said = -math.inf
         self._set("progress", "0 0")
 
     def _key(self, kind: str, rank: int) -> str:
@@ -477,9 +519,18 @@ class _Heartbeat:
         self.store.set(self._key(kind, self.place.rank), value)
 
     def beat(self, nbytes: int = 0) -> None:
-        """One more unit of work done, of ``nbytes`` bytes."""
+        """One more unit of work done, of ``nbytes`` bytes.
+
+        The store hears of it at most every ``BEAT_INTERVAL_S``: each word with the store is a
+        round trip (about 0.1 ms), dearer than a small rank file's whole work, and nothing
+        that listens (the lost-process watch, a progress bar) needs it sooner.
+        """
         self.done += 1
         self.done_bytes += nbytes
+        now = time.monotonic()
+        if now - self.said < BEAT_INTERVAL_S:
+            return
+        self.said = now
         self._set("progress", f"{self.done} {self.done_bytes}")
         with suppress(RuntimeError):  # a store that is gone is named at the next wait
             self._tell_watch()
@@ -505,6 +556,7 @@ class _Heartbeat:
         Raises:
             GradstatError: some processes made no progress for ``timeout_s`` seconds.
         """
+        self._set("progress", f"{self.done} {self.done_bytes}")
         self._set("done", str(length))
         self._wait_for("done", self.place.timeout_s)
         return [int(self.store.get(self._key("done", rank))) for rank in range(self.place.size)]

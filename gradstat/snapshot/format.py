@@ -113,6 +113,25 @@ def fits_torch(shape: Sequence[int], scale: int = 1) -> bool:
     return True
 
 
+class _DuplicateKey(Exception):
+    """A JSON object that lists a key twice (``json`` would keep the last one silently)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    found = dict(pairs)
+    if len(found) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKey(key)
+            seen.add(key)
+    return found
+
+
+# One decoder for every header: ``json.loads`` with a hook builds a new one per call.
+_DECODER = json.JSONDecoder(object_pairs_hook=_unique_keys)
+
+
 def load_json(path: Path, text: str, what: str) -> Any:
     """``json.loads`` without the standard library's leniencies toward a hostile file.
 
@@ -123,19 +142,10 @@ def load_json(path: Path, text: str, what: str) -> Any:
         SnapshotError: a duplicate key, or nesting too deep to parse.
         ValueError: ``text`` is not JSON (the caller words that for its format).
     """
-
-    def refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        found = dict(pairs)
-        if len(found) != len(pairs):
-            seen: set[str] = set()
-            for key, _ in pairs:
-                if key in seen:
-                    raise SnapshotError(f"{path}: {what} lists {key!r} twice")
-                seen.add(key)
-        return found
-
     try:
-        return json.loads(text, object_pairs_hook=refuse_duplicates)
+        return _DECODER.decode(text)
+    except _DuplicateKey as error:
+        raise SnapshotError(f"{path}: {what} lists {error.args[0]!r} twice") from None
     except RecursionError as error:
         raise SnapshotError(
             f"{path}: {what} is nested too deeply to parse (not a gradstat snapshot)"
@@ -367,8 +377,8 @@ def _parse_param(path: Path, index: int, entry: Any) -> ParamRecord:
     unknown = sorted(set(attrs.data) - set(ATTRIBUTE_DEFAULTS))
     if unknown:
         raise attrs.fail(f"unknown attribute {unknown[0]!r}")
-    for key, kind in ATTRIBUTE_KINDS.items():
-        attrs.get(key, kind, optional=True)
+    for key in attrs.data:
+        attrs.get(key, ATTRIBUTE_KINDS[key], optional=True)
     gtp_group = attrs.data.get("gtp_group")
     if gtp_group is not None and (
         len(gtp_group) != 2

@@ -7,10 +7,12 @@ import itertools
 import math
 import os
 import stat
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -18,6 +20,7 @@ from ..errors import SnapshotError
 from ..groups import AxisPlace
 from .container import Container, mapped, read_container
 from .format import (
+    ATTRIBUTE_DEFAULTS,
     AXES,
     METADATA_KEY,
     PLAIN_ATTRS,
@@ -27,7 +30,18 @@ from .format import (
     parse_header,
 )
 
-__all__ = ["RankFile", "RebuiltParam", "Snapshot"]
+__all__ = [
+    "FileSummary",
+    "RankFile",
+    "RebuiltParam",
+    "Snapshot",
+    "SnapshotShare",
+    "open_rank_file",
+    "rank_file_names",
+]
+
+# The attributes a rebuilt parameter carries, and the value each has when its record has none.
+_PLAIN_DEFAULTS = {key: ATTRIBUTE_DEFAULTS[key] for key in PLAIN_ATTRS}
 
 # Axes whose coordinates, together, tell dense ranks apart.
 _DENSE_AXES = ("tp", "cp", "dp", "pp", "gtp")
@@ -59,8 +73,8 @@ class RebuiltParam:
         self._grad = grad
         self._mapped = mapped if grad is None and record.has_grad else None
         self.shape = torch.Size(record.param_shape)
-        for key in PLAIN_ATTRS:
-            value = record.attr(key)
+        recorded = {key: value for key, value in record.attrs.items() if key in _PLAIN_DEFAULTS}
+        for key, value in {**_PLAIN_DEFAULTS, **recorded}.items():
             if value is not None:
                 setattr(self, key, value)
         gtp_group = record.attr("gtp_group")
@@ -111,7 +125,11 @@ class RankFile:
 
     def place(self, axis: str) -> AxisPlace:
         """This rank's place on ``axis``, as the duplicate filters take it."""
-        return AxisPlace(*self.header.coords[axis])
+        return self._places[axis]
+
+    @cached_property
+    def _places(self) -> dict[str, AxisPlace]:
+        return {axis: AxisPlace(*place) for axis, place in self.header.coords.items()}
 
     @contextmanager
     def params(self) -> Iterator[list[RebuiltParam]]:
@@ -125,27 +143,94 @@ class RankFile:
 
 
 @dataclass(frozen=True)
-class Snapshot:
+class FileSummary:
+    """What the checks of a whole snapshot read of one rank file: where it lies, its size, and
+    its header without the parameter records. Processes that each read a share of a snapshot
+    exchange these (as JSON) to check the whole."""
+
+    path: Path
+    size_bytes: int
+    header: RankHeader
+
+    @property
+    def rank(self) -> int:
+        return self.header.rank
+
+    @classmethod
+    def of(cls, rank_file: RankFile) -> FileSummary:
+        return cls(rank_file.path, rank_file.size_bytes, replace(rank_file.header, params=()))
+
+    def to_json(self) -> dict[str, Any]:
+        header = self.header
+        return {
+            "name": self.path.name,
+            "bytes": self.size_bytes,
+            "header": [
+                header.rank,
+                header.world_size,
+                header.step,
+                header.coords,
+                header.distributed_optimizer,
+                header.grad_attr,
+                header.version,
+                header.triggers,
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, folder: Path, data: Mapping[str, Any]) -> FileSummary:
+        """The summary :meth:`to_json` made of a header a process parsed and checked (it is
+        not parsed again: a rank file's header costs more to parse than its data to reduce)."""
+        rank, world_size, step, coords, optimizer, grad_attr, version, triggers = data["header"]
+        header = RankHeader(
+            rank=rank,
+            world_size=world_size,
+            step=step,
+            coords={axis: (place[0], place[1]) for axis, place in coords.items()},
+            distributed_optimizer=optimizer,
+            grad_attr=grad_attr,
+            params=(),
+            version=version,
+            triggers=tuple(triggers),
+        )
+        return cls(folder / data["name"], data["bytes"], header)
+
+
+class _Described:
+    """What a snapshot says of itself, the same in every rank file (checked): read from the
+    first one."""
+
+    @property
+    def _first(self) -> RankHeader:
+        raise NotImplementedError
+
+    @property
+    def world_size(self) -> int:
+        return self._first.world_size
+
+    @property
+    def step(self) -> int | None:
+        return self._first.step
+
+    @property
+    def distributed_optimizer(self) -> bool:
+        return self._first.distributed_optimizer
+
+    @property
+    def axis_sizes(self) -> dict[str, int]:
+        return {axis: size for axis, (_, size) in self._first.coords.items()}
+
+
+@dataclass(frozen=True)
+class Snapshot(_Described):
     """A validated snapshot: every rank file present once and consistent with the others."""
 
     directory: Path
     files: tuple[RankFile, ...]
 
     @property
-    def world_size(self) -> int:
-        return self.files[0].header.world_size
-
-    @property
-    def step(self) -> int | None:
-        return self.files[0].header.step
-
-    @property
-    def distributed_optimizer(self) -> bool:
-        return self.files[0].header.distributed_optimizer
-
-    @property
-    def axis_sizes(self) -> dict[str, int]:
-        return {axis: size for axis, (_, size) in self.files[0].header.coords.items()}
+    def _first(self) -> RankHeader:
+        return self.files[0].header
 
     @classmethod
     def open(cls, directory: str | os.PathLike[str]) -> Snapshot:
@@ -155,18 +240,57 @@ class Snapshot:
             SnapshotError: naming the directory or file and what is wrong.
         """
         folder = Path(directory)
-        try:
-            mode = folder.stat().st_mode
-        except OSError as error:
-            raise SnapshotError(f"{folder}: {_stat_problem(error, 'directory')}") from error
-        if not stat.S_ISDIR(mode):
-            raise SnapshotError(f"{folder}: not a directory")
-        paths = sorted(path for path in folder.iterdir() if path.name.endswith(".safetensors"))
-        if not paths:
-            raise SnapshotError(f"{folder}: no rank files (*.safetensors) in the directory")
-        files = [_open_rank_file(folder, path) for path in paths]
+        files = [open_rank_file(folder, name) for name in rank_file_names(folder)]
         _check_whole(folder, files)
         return cls(folder, tuple(sorted(files, key=lambda file: file.rank)))
+
+
+@dataclass(frozen=True)
+class SnapshotShare(_Described):
+    """A process's share of a validated snapshot: the rank files it read, and the summaries of
+    every rank file, with which the whole was checked as :meth:`Snapshot.open` checks it."""
+
+    directory: Path
+    files: tuple[RankFile, ...]
+    summaries: tuple[FileSummary, ...]
+
+    @property
+    def _first(self) -> RankHeader:
+        return self.summaries[0].header
+
+    @classmethod
+    def assemble(
+        cls, directory: Path, files: Sequence[RankFile], summaries: Sequence[FileSummary]
+    ) -> SnapshotShare:
+        """Check the whole snapshot from every rank file's summary; keep the files read here.
+
+        Raises:
+            SnapshotError: as :meth:`Snapshot.open` raises it for the whole.
+        """
+        _check_whole(directory, sorted(summaries, key=lambda summary: summary.path.name))
+        return cls(
+            directory,
+            tuple(sorted(files, key=lambda file: file.rank)),
+            tuple(sorted(summaries, key=lambda summary: summary.rank)),
+        )
+
+
+def rank_file_names(folder: Path) -> list[str]:
+    """The names of the rank files in ``folder``, sorted.
+
+    Raises:
+        SnapshotError: ``folder`` is not a readable directory, or holds no rank file.
+    """
+    try:
+        mode = folder.stat().st_mode
+    except OSError as error:
+        raise SnapshotError(f"{folder}: {_stat_problem(error, 'directory')}") from error
+    if not stat.S_ISDIR(mode):
+        raise SnapshotError(f"{folder}: not a directory")
+    names = sorted(name for name in os.listdir(folder) if name.endswith(".safetensors"))
+    if not names:
+        raise SnapshotError(f"{folder}: no rank files (*.safetensors) in the directory")
+    return names
 
 
 def _stat_problem(error: OSError, kind: str) -> str:
@@ -178,16 +302,26 @@ def _stat_problem(error: OSError, kind: str) -> str:
     return f"cannot open ({error.strerror or error})"
 
 
-def _open_rank_file(folder: Path, path: Path) -> RankFile:
+def open_rank_file(folder: Path, name: str) -> RankFile:
+    """Read and validate the header of the rank file ``name`` in ``folder``.
+
+    Raises:
+        SnapshotError: naming the file and what is wrong with it.
+    """
+    path = folder / name
     try:
-        mode = os.stat(path).st_mode
-        resolved = path.resolve(strict=True)
+        mode = os.lstat(path).st_mode
+        if stat.S_ISLNK(mode):
+            resolved = path.resolve(strict=True)
+            if folder.resolve() not in resolved.parents:
+                raise SnapshotError(
+                    f"{path}: symlink leads out of the snapshot directory to {resolved}"
+                )
+            mode = os.stat(path).st_mode
     except OSError as error:
         raise SnapshotError(f"{path}: {_stat_problem(error, 'file')}") from error
     except RuntimeError as error:  # Python before 3.13 reports a loop met while resolving so
         raise SnapshotError(f"{path}: a symlink loop (the link leads back to itself)") from error
-    if path.is_symlink() and folder.resolve() not in resolved.parents:
-        raise SnapshotError(f"{path}: symlink leads out of the snapshot directory to {resolved}")
     if not stat.S_ISREG(mode):
         kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
         raise SnapshotError(f"{path}: {kind}, expected a rank file")
@@ -289,7 +423,7 @@ def _check_full_shape(where: str, header: RankHeader, record: ParamRecord) -> No
             )
 
 
-def _check_places(first: RankFile, world_size: int) -> None:
+def _check_places(first: RankFile | FileSummary, world_size: int) -> None:
     """The axes of each family must not describe more places than the job has ranks: such
     coordinates would merge ranks as replicas that are not (a dp size with GTP folded in)."""
     coords = first.header.coords
@@ -304,7 +438,7 @@ def _check_places(first: RankFile, world_size: int) -> None:
             )
 
 
-def _check_whole(folder: Path, files: list[RankFile]) -> None:
+def _check_whole(folder: Path, files: Sequence[RankFile | FileSummary]) -> None:
     first = files[0]
     for file in files[1:]:
         for field, label in (
@@ -336,8 +470,8 @@ def _check_whole(folder: Path, files: list[RankFile]) -> None:
                 f"{world_size}"
             )
     _check_places(first, world_size)
-    by_rank: dict[int, RankFile] = {}
-    places: dict[tuple[int, ...], RankFile] = {}
+    by_rank: dict[int, RankFile | FileSummary] = {}
+    places: dict[tuple[int, ...], RankFile | FileSummary] = {}
     for file in files:
         if file.rank in by_rank:
             raise SnapshotError(

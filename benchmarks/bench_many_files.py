@@ -1,0 +1,145 @@
+"""Many small rank files: gradstat's cost per file against the cheapest pass over the same files.
+
+Writes (once) a seeded fp32 snapshot of ``--files`` rank files, each holding 4 small tensors
+(a TP=8 x PP=files/8 layout: every file's tensors count in the norm), and a one-file snapshot
+of the same kind. Each side runs as a whole fresh process, alternately, on both snapshots:
+
+- peer: a Python process that opens each file with ``safetensors.safe_open`` and sums each
+  tensor once;
+- ours: ``python -m gradstat norm DIR`` (``--command`` zeros, audit, ...), or with ``--nproc N``
+  ``torchrun --standalone --nproc-per-node N -m gradstat norm DIR``.
+
+The time per file is the difference between the run on many files and the run on one file,
+divided by the number of files less one: the fixed cost of starting Python and importing torch
+cancels out. Prints medians over the repeats and the ratio ours/peer. Both sides may cache
+bytecode, as an installed package has its ``.pyc`` files.
+
+Usage::
+
+    python benchmarks/bench_many_files.py [--files 8192] [--repeats 3] [--dir PATH]
+        [--command norm|zeros|audit] [--nproc N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ENV = {name: value for name, value in os.environ.items() if name != "PYTHONDONTWRITEBYTECODE"}
+_TP = 8
+_SHAPES = ((64, 32), (32,), (128, 16), (16,))
+
+
+def write_snapshot(directory: Path, files: int) -> None:
+    """``files`` rank files (TP=8 x PP=files/8), each 4 small TP-sharded fp32 tensors."""
+    from gradstat.snapshot import save_rank
+
+    directory.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(0)
+    stages = max(files // _TP, 1)
+    for rank in range(files):
+        tp, stage = rank % _TP, rank // _TP
+        params = []
+        for index, shape in enumerate(_SHAPES):
+            holder = type("Shard", (), {})()
+            holder.grad = torch.randn(shape, generator=gen)
+            holder.shape = holder.grad.shape
+            holder.tensor_model_parallel, holder.partition_dim = len(shape) == 2, 0
+            params.append((f"layers.{stage}.w{index}", holder))
+        coords = {"tp": [tp, min(_TP, files)], "pp": [stage, stages]}
+        save_rank(directory, params, rank=rank, world_size=files, coords=coords)
+
+
+def peer(directory: Path) -> float:
+    """The bare pass, in this process: open each file with safe_open, sum each tensor once."""
+    from safetensors import safe_open
+
+    total = 0.0
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as file:
+            for key in file.keys():  # noqa: SIM118 (safe_open is not iterable)
+                total += float(file.get_tensor(key).sum())
+    return total
+
+
+def _seconds(command: list[str]) -> float:
+    start = time.perf_counter()
+    result = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=ENV)
+    if result.returncode not in (0, 1):
+        raise SystemExit(f"{' '.join(command)} failed: {result.stderr.decode()}")
+    return time.perf_counter() - start
+
+
+def _command(side: str, directory: Path, gradstat: list[str]) -> list[str]:
+    if side == "peer":
+        return [sys.executable, __file__, "--peer", str(directory)]
+    return [*gradstat, str(directory)]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--files", type=int, default=8192)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", type=Path, default=None, help="keep the snapshots here")
+    parser.add_argument("--command", choices=("norm", "zeros", "audit"), default="norm")
+    parser.add_argument("--nproc", type=int, default=0, help="run ours under torchrun")
+    parser.add_argument("--peer", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.peer:
+        print(peer(args.peer))
+        return 0
+    if args.nproc:
+        torchrun = Path(sys.executable).with_name("torchrun")
+        gradstat = [str(torchrun), "--standalone", f"--nproc-per-node={args.nproc}"]
+        gradstat += ["-m", "gradstat", args.command]
+    else:
+        gradstat = [sys.executable, "-m", "gradstat", args.command]
+    temporary = args.dir is None
+    root = Path(tempfile.mkdtemp(prefix="gradstat-bench-")) if temporary else args.dir
+    many, one = root / f"files-{args.files}", root / "files-1"
+    try:
+        for directory, files in ((many, args.files), (one, 1)):
+            if not any(directory.glob("*.safetensors")):
+                print(f"writing {files} rank files to {directory}", file=sys.stderr)
+                write_snapshot(directory, files)
+        per_file: dict[str, list[float]] = {"ours": [], "peer": []}
+        whole: dict[str, list[float]] = {"ours": [], "peer": []}
+        for side in ("peer", "ours"):  # warm the page cache and the kernel cache
+            _seconds(_command(side, many, gradstat))
+        for repeat in range(args.repeats):
+            order = ("peer", "ours") if repeat % 2 == 0 else ("ours", "peer")
+            for side in order:
+                small = _seconds(_command(side, one, gradstat))
+                large = _seconds(_command(side, many, gradstat))
+                per_file[side].append((large - small) / (args.files - 1))
+                whole[side].append(large)
+        ours_ms = statistics.median(per_file["ours"]) * 1e3
+        peer_ms = statistics.median(per_file["peer"]) * 1e3
+        ours_s, peer_s = statistics.median(whole["ours"]), statistics.median(whole["peer"])
+        launcher = f"torchrun, {args.nproc} processes" if args.nproc else "one process"
+        print(
+            f"torch {torch.__version__}, {os.cpu_count()} CPUs, {args.files} rank files of "
+            f"4 tensors, {args.repeats} repeats, ours: gradstat {args.command} ({launcher})\n"
+        )
+        print("| measure | ours | peer (safe_open + sum) | ours/peer |")
+        print("|---|---:|---:|---:|")
+        print(f"| time per file | {ours_ms:.3f} ms | {peer_ms:.3f} ms | {ours_ms / peer_ms:.2f}x |")
+        print(f"| whole command | {ours_s:.2f} s | {peer_s:.2f} s | {ours_s / peer_s:.2f}x |")
+        print("\ntarget (issue 12): time per file <= 1.3x the peer's")
+    finally:
+        if temporary:
+            shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
