@@ -219,14 +219,12 @@ def _optimizer_parts(optimizer: Any) -> list[Any]:
     while pending:
         current = pending.pop()
         chained = getattr(current, "chained_optimizers", None)
-        inner = getattr(current, "optimizer", None)
         if chained is not None:
+            # Read before .optimizer, which a ChainedOptimizer of several refuses.
             pending.extend(reversed(list(chained)))
-        elif (
-            not hasattr(current, "gbuf_ranges")
-            and inner is not None
-            and not isinstance(inner, torch.optim.Optimizer)
-        ):
+            continue
+        inner = None if hasattr(current, "gbuf_ranges") else getattr(current, "optimizer", None)
+        if inner is not None and not isinstance(inner, torch.optim.Optimizer):
             pending.append(inner)
         elif not getattr(current, "is_stub_optimizer", False):
             parts.append(current)
