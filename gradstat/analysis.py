@@ -33,6 +33,7 @@ __all__ = [
     "file_pieces",
     "merge",
     "nan_max",
+    "relative_to",
     "snapshot_pieces",
     "snapshot_stats",
 ]
@@ -69,6 +70,14 @@ def nan_max(values: Iterable[float]) -> float:
             return math.nan
         peak = max(peak, value)
     return peak
+
+
+def relative_to(difference: float, scale: float) -> float:
+    """``difference`` (a largest |a - b|) relative to ``scale`` (the largest |element| compared):
+    0 when there is none, inf for a difference where every element compared is zero."""
+    if scale:
+        return difference / scale
+    return 0.0 if difference == 0 else math.inf
 
 
 @dataclass(frozen=True)

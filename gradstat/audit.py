@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .analysis import Request, counts, merge, nan_max
+from .analysis import Request, counts, merge, nan_max, relative_to
 from .report import SnapshotInfo, jsonable, snapshot_info
 from .runner import Place, gather_jobs, gather_pieces
 from .snapshot import RebuiltParam, Snapshot
@@ -167,9 +167,7 @@ def _raw(
     scale: float | None = None,
     power_delta: float | None = None,
 ) -> dict[str, Any]:
-    rel = None
-    if max_abs_diff is not None and scale is not None:
-        rel = max_abs_diff / scale if scale else (0.0 if max_abs_diff == 0 else math.inf)
+    rel = None if max_abs_diff is None or scale is None else relative_to(max_abs_diff, scale)
     return {
         "kind": kind,
         "name": name,

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .analysis import ParamStats, Request, SnapshotStats, merge
+from .analysis import ParamStats, Request, SnapshotStats, merge, nan_max, relative_to
 from .report import SnapshotInfo, jsonable, snapshot_info
 from .runner import Place, gather_jobs, gather_pieces
 from .snapshot import Snapshot
@@ -147,15 +147,11 @@ def _largest_difference(pieces_a: list[Tensor], pieces_b: list[Tensor]) -> tuple
         both_nan = wide_a.isnan() & wide_b.isnan()
         diff = (wide_a - wide_b).abs_().masked_fill_(both_nan, 0.0)
         # max() propagates NaN: a NaN on one side only is a NaN difference.
-        largest_diff = _nan_max(largest_diff, float(diff.max()) if diff.numel() else 0.0)
+        largest_diff = nan_max((largest_diff, float(diff.max()) if diff.numel() else 0.0))
         for block in (wide_a, wide_b):
             if block.numel():
                 largest = max(largest, float(block.abs().nan_to_num_(0.0).max()))
     return largest_diff, largest
-
-
-def _nan_max(a: float, b: float) -> float:
-    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
 
 
 def _totals(stats_a: SnapshotStats, stats_b: SnapshotStats, rtol: float) -> tuple[TotalDiff, ...]:
@@ -202,7 +198,7 @@ def _param_diff(
     max_abs_diff, scale = found.get("max_abs_diff"), found.get("scale")
     rel_max = None
     if max_abs_diff is not None and scale is not None:
-        rel_max = max_abs_diff / scale if scale else (0.0 if max_abs_diff == 0 else math.inf)
+        rel_max = relative_to(max_abs_diff, scale)
         if _beyond(rel_max, rtol):
             flags.append("values")
     return ParamDiff(

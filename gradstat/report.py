@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .analysis import SnapshotStats
+    from .analysis import NonFinite, SnapshotStats
     from .placements import MeshPlacement
 from .snapshot import Snapshot, SnapshotShare
 
@@ -75,14 +75,6 @@ class ParamNormRow:
 
 
 @dataclass(frozen=True)
-class NonFiniteRow:
-    rank: int
-    name: str
-    nan: int
-    inf: int
-
-
-@dataclass(frozen=True)
 class NormReport:
     snapshot: SnapshotInfo
     norm_type: float
@@ -90,7 +82,7 @@ class NormReport:
     dense_norm: float
     expert_norm: float
     params: tuple[ParamNormRow, ...]
-    nonfinite: tuple[NonFiniteRow, ...]
+    nonfinite: tuple[NonFinite, ...]  # by rank, then name
     max_norm: float | None
     clip_coeff: float | None
     params_left_out: int = 0  # rows cut by ``top``
@@ -134,6 +126,8 @@ def norm_report(
     Args:
         top: keep the ``top`` largest parameters (non-finite first); None keeps every one.
     """
+    from .clip_grads import clip_coefficient  # torch is loaded by now: stats were computed
+
     total = stats.norm(norm_type)
     rows = [
         ParamNormRow(
@@ -146,15 +140,9 @@ def norm_report(
         )
         for param in stats.params
     ]
-    # Non-finite parameters first: they are what the user is looking for.
-    rows.sort(
-        key=lambda row: (math.isfinite(row.norm), -row.norm if math.isfinite(row.norm) else 0)
-    )
-    nonfinite = tuple(
-        NonFiniteRow(item.rank, item.name, item.nan, item.inf)
-        for item in sorted(stats.nonfinite, key=lambda item: (item.rank, item.name))
-    )
-    clip_coeff = None if max_norm is None else max_norm / (total + 1.0e-6)
+    rows.sort(key=_by_contribution)
+    nonfinite = tuple(sorted(stats.nonfinite, key=lambda item: (item.rank, item.name)))
+    clip_coeff = None if max_norm is None else clip_coefficient(max_norm, total)
     return NormReport(
         snapshot=snapshot_info(snapshot),
         norm_type=norm_type,
