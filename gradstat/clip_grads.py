@@ -39,7 +39,6 @@ from .predicates import gtp_pad_zero_count as _gtp_pad_zero_count
 
 __all__ = [
     "GradNorm",
-    "clip_coefficient",
     "clip_grad_by_total_norm_fp32",
     "count_zeros_fp32",
     "get_grad_norm_fp32",

@@ -9,38 +9,9 @@ own tests use exactly these; their expected values come from the unsharded gradi
 
 from __future__ import annotations
 
-from .layout import (
-    Layout,
-    LayoutError,
-    ParamLayout,
-    RankParams,
-    Split,
-    data_parallel_with_cp,
-    fragments,
-    gtp_pad_rows,
-    padding_mask,
-    shard_gradients,
-    shard_rank,
-    write_snapshot,
-)
-from .spawn import Case, LaunchReport, Outcome, launch, spawn
+from . import layout as _layout
+from . import spawn as _spawn
+from .layout import *  # noqa: F403
+from .spawn import *  # noqa: F403
 
-__all__ = [
-    "Case",
-    "LaunchReport",
-    "Layout",
-    "LayoutError",
-    "Outcome",
-    "ParamLayout",
-    "RankParams",
-    "Split",
-    "data_parallel_with_cp",
-    "fragments",
-    "gtp_pad_rows",
-    "launch",
-    "padding_mask",
-    "shard_gradients",
-    "shard_rank",
-    "spawn",
-    "write_snapshot",
-]
+__all__ = [*_layout.__all__, *_spawn.__all__]

@@ -53,7 +53,6 @@ from ..groups import AxisPlace
 from ..snapshot.format import PLAIN_ATTRS
 
 __all__ = [
-    "FRAGMENT_ATTRS",
     "Layout",
     "LayoutError",
     "ParamLayout",
@@ -72,7 +71,7 @@ Split = Literal["column", "row", "none"]
 
 # Attributes a distributed-optimizer fragment copies from its model param (its own
 # gtp_pad_zeros stamp is computed for its range).
-FRAGMENT_ATTRS = (
+_FRAGMENT_ATTRS = (
     *(key for key in PLAIN_ATTRS if not key.startswith(("gtp_pad_zeros", "fragment_"))),
     "group",
 )
@@ -385,7 +384,7 @@ def fragments(
         offset += param.numel()
         if start >= end:
             continue
-        attrs = {key: getattr(param, key) for key in FRAGMENT_ATTRS if hasattr(param, key)}
+        attrs = {key: getattr(param, key) for key in _FRAGMENT_ATTRS if hasattr(param, key)}
         mask = padding_mask(param)
         if mask is not None:
             attrs[_PAD_MASK] = mask.reshape(-1)[start:end]
