@@ -31,6 +31,10 @@ from typing import Any, NoReturn, TypeVar
 import torch
 import torch.distributed as dist
 
+# Public and documented; torch re-exports them from its C extension under a condition that
+# type checkers do not follow.
+from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
+
 from .analysis import NonFinite, Piece, Request, snapshot_pieces
 from .errors import GradstatError, StoppedTogether
 from .launcher import launch_rank, launched
@@ -85,6 +89,8 @@ class Place:
     timeout_s: float = 30.0
     # Told how far the processes are; process 0 alone calls it, speaking for all of them.
     on_progress: Callable[[Progress], None] | None = field(default=None, repr=False, compare=False)
+    # The launcher's key-value store (None alone), where the processes say how far they are.
+    store: Any = field(default=None, repr=False, compare=False)
     # Numbers the exchanges: every process makes the same ones in the same order, so that each
     # exchange has its own keys in the launcher's store.
     _exchanges: Iterator[int] = field(default_factory=itertools.count, repr=False, compare=False)
@@ -115,15 +121,38 @@ def join(timeout_s: float, on_progress: Callable[[Progress], None] | None = None
     """
     if not launched():
         return Place(0, 1, timeout_s, on_progress)
-    size = int(os.environ["WORLD_SIZE"])
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = timedelta(seconds=timeout_s)
     try:
-        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+        store = _launcher_store(rank, size, timeout)
+        group = PrefixStore("gradstat/group", store)
+        dist.init_process_group("gloo", store=group, rank=rank, world_size=size, timeout=timeout)
     except (RuntimeError, ValueError) as error:
         raise GradstatError(
-            f"process {os.environ.get('RANK')} of {size}: the processes did not all join within "
-            f"{timeout_s:g} s ({_last_line(error)})"
+            f"process {rank} of {size}: the processes did not all join within {timeout_s:g} s "
+            f"({_last_line(error)})"
         ) from error
-    return Place(dist.get_rank(), dist.get_world_size(), timeout_s, on_progress)
+    return Place(rank, size, timeout_s, on_progress, store)
+
+
+def _launcher_store(rank: int, size: int, timeout: timedelta) -> Any:
+    """The key-value store at the launcher's ``MASTER_ADDR:MASTER_PORT``: torchrun's agent
+    hosts it (it says so in ``TORCHELASTIC_USE_AGENT_STORE``), else process 0 does.
+
+    Raises:
+        ValueError: the launcher did not say where the store is.
+    """
+    where = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if where[0] is None or where[1] is None or not where[1].isdigit():
+        raise ValueError("the launcher set no MASTER_ADDR and MASTER_PORT")
+    hosted_by_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    return TCPStore(
+        where[0],
+        int(where[1]),
+        size,
+        is_master=rank == 0 and not hosted_by_agent,
+        timeout=timeout,
+    )
 
 
 def leave(place: Place) -> None:
@@ -507,7 +536,7 @@ class _Heartbeat:
         self.place = place
         self.exchange = exchange
         self.watch = watch
-        self.store = dist.distributed_c10d._get_default_store()
+        self.store = place.store
         self.done = self.done_bytes = 0
         self.said = -math.inf
         self._set("progress", "0 0")
