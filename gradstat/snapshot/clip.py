@@ -5,7 +5,6 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import torch
 from ..errors import SnapshotError
 from .container import write_container
 from .reader import RankFile, Snapshot
-from .writer import default_mode
+from .writer import new_hidden_directory
 
 __all__ = ["check_output_dir", "write_clipped"]
 
@@ -92,7 +91,7 @@ def write_clipped(
     created: list[Path] = []
     try:
         created = _make_parents(parent)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=parent))
+        staging = new_hidden_directory(parent, f".{out.name}.partial-")
     except OSError as error:
         _remove(created)
         raise SnapshotError(f"{out}: cannot create it ({error.strerror or error})") from error
@@ -104,10 +103,8 @@ def write_clipped(
                 write_container(file, rank_file.container.metadata, _scaled(rank_file, coefficient))
                 file.flush()
                 os.fsync(file.fileno())
-            os.chmod(target, default_mode())
             if on_file is not None:
                 on_file(rank_file)
-        os.chmod(staging, default_mode(directory=True))
         if out.exists():
             out.rmdir()  # checked empty above; rename needs it gone or empty
         os.rename(staging, out)

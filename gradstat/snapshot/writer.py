@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import os
-import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+import secrets
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -29,6 +30,8 @@ from .format import (
 )
 
 __all__ = ["save_rank"]
+
+T = TypeVar("T")
 
 
 def _check_coords(coords: Mapping[str, Sequence[int]]) -> dict[str, tuple[int, int]]:
@@ -186,11 +189,39 @@ def _make_directories(folder: Path) -> list[Path]:
     return missing
 
 
-def default_mode(directory: bool = False) -> int:
-    """The mode a new file (or directory) gets under the process's umask."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return (0o777 if directory else 0o666) & ~mask
+def _new_hidden(parent: Path, prefix: str, create: Callable[[Path], T]) -> T:
+    """``create(path)`` for a free path of ``parent`` named ``prefix`` and random letters."""
+    for _ in range(100):
+        try:
+            return create(parent / f"{prefix}{secrets.token_hex(6)}")
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, f"no free name {prefix}* in {parent}")
+
+
+def new_hidden_file(parent: Path, prefix: str) -> tuple[int, Path]:
+    """Create a file as ``tempfile.mkstemp`` does, but with the mode any new file gets in
+    ``parent`` (mkstemp's is owner-only).
+
+    The kernel applies the umask (or the directory's default ACL) as the file is created:
+    reading the umask would mean setting it, for every thread of the process at once.
+
+    Returns:
+        The open descriptor (write-only) and the path.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    return _new_hidden(parent, prefix, lambda path: (os.open(path, flags, 0o666), path))
+
+
+def new_hidden_directory(parent: Path, prefix: str) -> Path:
+    """Create a directory as ``tempfile.mkdtemp`` does, but with the mode any new directory
+    gets in ``parent`` (mkdtemp's is owner-only); see :func:`new_hidden_file`."""
+
+    def make(path: Path) -> Path:
+        path.mkdir(0o777)
+        return path
+
+    return _new_hidden(parent, prefix, make)
 
 
 def _write_atomically(
@@ -199,10 +230,8 @@ def _write_atomically(
     tensors: Sequence[tuple[str, torch.Tensor]],
     overwrite: bool,
 ) -> None:
-    handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    handle, temporary = new_hidden_file(target.parent, f".{target.name}.")
     try:
-        # mkstemp makes the file owner-only; a snapshot gets the mode any new file would.
-        os.fchmod(handle, default_mode())
         with os.fdopen(handle, "wb") as file:
             write_container(file, metadata, tensors)
             file.flush()
