@@ -6,6 +6,7 @@ The same code runs on one rank or many. Outside an initialized process group a r
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ __all__ = [
     "is_dtensor",
     "megatron_gtp_group",
     "megatron_state",
+    "megatron_stats_groups",
     "reduce_over_mesh",
     "split_by_mesh",
     "stats_device",
@@ -109,6 +111,17 @@ def megatron_gtp_group(state: Any, axis: str) -> Any:
         return getter() if getter is not None else None
     except AssertionError:  # that axis was not set up in this job
         return None
+
+
+def megatron_stats_groups(state: Any) -> tuple[Any, Any]:
+    """The groups Megatron's optimizer reduces the norm of the dense and of the expert
+    gradients over (the plain optimizer's ``grad_stats_parallel_group`` of each): the
+    model-parallel group (TP x PP; with GTP where the version has it) and the expert one
+    (ETP x EP x PP, with EGTP where the version takes ``with_egtp_remat``)."""
+    expert = state.get_expert_tensor_model_pipeline_parallel_group
+    if "with_egtp_remat" in inspect.signature(expert).parameters:
+        return state.get_model_parallel_group(), expert(with_egtp_remat=True)
+    return state.get_model_parallel_group(), expert()
 
 
 def _distributed_ready() -> bool:

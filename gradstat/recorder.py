@@ -47,13 +47,14 @@ import torch.distributed as dist
 
 from .clip_grads import check_norm_type, get_grad_norm_fp32, total_norm
 from .errors import GradstatError
-from .groups import megatron_state, stats_device
+from .groups import megatron_state, megatron_stats_groups, stats_device
+from .kernels import combine_norms
 from .predicates import (
     param_is_not_gtp_duplicate,
     param_is_not_shared,
     param_is_not_tensor_parallel_duplicate,
 )
-from .snapshot.capture import dump_rank, named_gradients
+from .snapshot.capture import dump_rank, gradients_to_dump
 from .snapshot.format import FILE_PATTERN
 
 __all__ = ["TRIGGERS", "Recorder", "StepRecord", "complete_snapshots"]
@@ -100,8 +101,7 @@ class Recorder:
     """Records the global gradient norm every step and dumps a snapshot when a trigger fires.
 
     Args:
-        model: a module, a list of model chunks, or ``(name, param)`` pairs (for the
-            distributed optimizer, its fragments with their names).
+        model: a module, a list of model chunks, or ``(name, param)`` pairs.
         directory: where the snapshots go, the same on every rank (``step-N`` inside).
         norm_type: 2, 1, ``math.inf`` or any finite p > 0.
         spike: dump when the norm exceeds this many times the running median (None: never).
@@ -114,7 +114,12 @@ class Recorder:
             live Megatron job, else the torch-native default (see :func:`gradstat.total_norm`).
         grad_attr: "grad", "main_grad" or "decoupled_grad"; None: "main_grad" when any
             parameter has one (Megatron's DDP), else "grad".
-        distributed_optimizer: the gradients are the distributed optimizer's fragments.
+        distributed_optimizer: the gradients are disjoint shards across data-parallel ranks
+            (fragments named by hand); set for you with a distributed ``optimizer``.
+        optimizer: Megatron's optimizer; with its distributed optimizer the recorder reads and
+            dumps the fragments each rank owns (see :func:`gradstat.snapshot.dump_rank`).
+            Needed when the model's DDP uses the distributed optimizer. The fragments are
+            views of the gradient buffers Megatron allocates once.
         coords: coordinates for :func:`gradstat.snapshot.dump_rank`, when it cannot find them.
         mesh: a DeviceMesh for :func:`gradstat.snapshot.dump_rank`.
         finalize_timeout_s: how long rank 0 waits for the other ranks' files before leaving
@@ -125,6 +130,8 @@ class Recorder:
 
     Raises:
         ValueError: bad arguments.
+        SnapshotError: the model's DDP uses the distributed optimizer and no distributed
+            ``optimizer`` was given.
     """
 
     def __init__(
@@ -144,6 +151,7 @@ class Recorder:
         distributed_optimizer: bool = False,
         coords: Mapping[str, Sequence[int]] | None = None,
         mesh: Any = None,
+        optimizer: Any = None,
         finalize_timeout_s: float = 60.0,
         max_dump_s: float = 120.0,
     ) -> None:
@@ -153,15 +161,14 @@ class Recorder:
             raise ValueError("window, warmup, keep and every must be >= 1")
         if not (finalize_timeout_s > 0 and max_dump_s > 0):
             raise ValueError("finalize_timeout_s and max_dump_s must be > 0")
-        self.pairs = named_gradients(model)
+        self.pairs, self.grad_attr, self.distributed_optimizer = gradients_to_dump(
+            model, optimizer, grad_attr, distributed_optimizer
+        )
         self.directory = Path(directory)
         self.norm_type = check_norm_type(norm_type)
         self.spike, self.warmup = spike, warmup
         self.steps, self.every, self.keep = frozenset(steps), every, keep
         self.group = group
-        has_main = any(getattr(param, "main_grad", None) is not None for _, param in self.pairs)
-        self.grad_attr = grad_attr or ("main_grad" if has_main else "grad")
-        self.distributed_optimizer = distributed_optimizer
         self.coords, self.mesh = coords, mesh
         self.finalize_timeout_s, self.max_dump_s = finalize_timeout_s, max_dump_s
         self._writer: threading.Thread | None = None
@@ -179,21 +186,28 @@ class Recorder:
             held = [getattr(param, self.grad_attr, None) for param in params]
             present = [grad for grad in held if grad is not None]
             return total_norm(present, self.norm_type, group=self.group)
-        # Megatron: the gradients its optimizer counts, reduced over its model-parallel group
-        # (a replica of the data-parallel axis holds the same numbers).
-        grads: list[torch.Tensor] = [
-            getattr(param, self.grad_attr)
+        # Megatron: the gradients its optimizer counts. Distributed-optimizer fragments hold
+        # each element once across the job; whole gradients are reduced as its plain optimizers
+        # reduce them, the dense ones over the model-parallel group and the expert ones over
+        # the expert group (a replica of the data-parallel axes holds the same numbers), and
+        # the two norms combined as its ChainedOptimizer combines them.
+        counted = [
+            param
             for param in params
             if getattr(param, self.grad_attr, None) is not None and _counts_in_megatron(param)
         ]
-        group = self.group
-        if group is None:
-            group = (
-                dist.group.WORLD
-                if self.distributed_optimizer
-                else megatron.get_model_parallel_group()
-            )
-        return get_grad_norm_fp32(grads, self.norm_type, group)
+        if self.group is not None or self.distributed_optimizer:
+            grads = [getattr(param, self.grad_attr) for param in counted]
+            return get_grad_norm_fp32(grads, self.norm_type, self.group or dist.group.WORLD)
+        norms = []
+        for expert, group in zip((False, True), megatron_stats_groups(megatron), strict=True):
+            grads = [
+                getattr(param, self.grad_attr)
+                for param in counted
+                if (not getattr(param, "allreduce", True)) == expert
+            ]
+            norms.append(get_grad_norm_fp32(grads, self.norm_type, group))
+        return combine_norms(norms, self.norm_type)
 
     def step(self, step: int | torch.Tensor) -> float:
         """Record ``step``: compute the norm, check the triggers, dump if one fires.

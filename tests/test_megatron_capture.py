@@ -35,6 +35,7 @@ import pytest
 import torch
 from torch import Tensor
 
+import gradstat
 from gradstat.errors import SnapshotError
 from gradstat.snapshot import dump_rank
 from gradstat.testing import Case, launch
@@ -295,6 +296,12 @@ def _megatron_job(rank: int, world_size: int, arg: tuple[Job, str]) -> dict[str,
         namespace = {"model": model, "optimizer": optimizer, "iteration": ITERATION}
         exec(recipe("megatron"), namespace | {"directory": f"{root}/{job.name}"})
         result: dict[str, Any] = {"tensors": tensors, "optimizer": type(optimizer).__name__}
+        # The README's flight-recorder recipes, the step listed so that it dumps.
+        looped = namespace | {"directory": f"{root}/{job.name}-recorder", "step": ITERATION}
+        exec(recipe("recorder_setup"), looped)
+        looped["recorder"].steps = frozenset({ITERATION})
+        exec(recipe("recorder_step"), looped)
+        result["recorder_norm"] = looped["recorder"].records[-1].norm
         if job.distributed_optimizer:
             try:
                 dump_rank(f"{root}/{job.name}-no-optimizer", model, step=ITERATION)
@@ -309,6 +316,10 @@ def _megatron_job(rank: int, world_size: int, arg: tuple[Job, str]) -> dict[str,
                 for local, param in model[0].named_parameters()
             ]
             dump_rank(f"{root}/{job.name}-whole-main-grad", whole, step=ITERATION)
+            try:
+                gradstat.Recorder(model, f"{root}/{job.name}-recorder-no-optimizer")
+            except SnapshotError as error:
+                result["recorder_refused"] = str(error)
         # Megatron's own numbers, as its training step computes them before stepping.
         optimizer.prepare_grads()
         result["megatron_norm"] = float(optimizer.get_grad_norm())
@@ -418,11 +429,22 @@ def test_the_readme_recipe_in_megatron_jobs(world_size: int, tmp_path: Path) -> 
             assert rel_err(result["megatron_norm"], norm["total_norm"]) <= 1e-6, job.name
             assert result["megatron_zeros"] == expected_zeros, job.name
 
+        # The flight recorder's norm, and the snapshot it dumped, are the same numbers.
+        for result in ranks:
+            assert rel_err(result["recorder_norm"], expected_norm) <= 1e-6, job.name
+        recorded = root / f"{job.name}-recorder" / f"step-{ITERATION:08d}"
+        code, from_recorder = _cli("norm", str(recorded))
+        assert code == 0 and rel_err(from_recorder["total_norm"], expected_norm) <= 1e-6, job.name
+        assert from_recorder["snapshot"]["distributed_optimizer"] is job.distributed_optimizer
+
         if job.distributed_optimizer:
-            # Without optimizer= the job is refused on every rank ...
+            # Without optimizer= the job is refused on every rank, by dump_rank and the
+            # recorder alike ...
             for result in ranks:
-                message = result.get("refused", "")
-                assert "pass optimizer=optimizer" in message and "\n" not in message, job.name
+                for key in ("refused", "recorder_refused"):
+                    message = result.get(key, "")
+                    assert "pass optimizer=optimizer" in message, (job.name, key)
+                    assert "\n" not in message, (job.name, key)
             assert not (root / f"{job.name}-no-optimizer").exists()
             # ... because the whole main_grad buffers hold unreduced values outside each
             # rank's range: the number they give is wrong.

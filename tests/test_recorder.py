@@ -112,7 +112,9 @@ def test_bad_arguments_are_refused() -> None:
 def _fsdp2_loop(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     """The README's recorder recipes in an FSDP2 loop."""
     model, _mesh = _torch_native.build("fsdp2")
-    namespace: dict[str, Any] = {"model": model, "directory": directory}
+    # A torch optimizer changes nothing (only Megatron's distributed one does).
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    namespace = {"model": model, "directory": directory, "optimizer": optimizer}
     exec(recipe("recorder_setup"), namespace)
     norms, expected = {}, {}
     for step in range(1, STEPS + 1):
@@ -205,7 +207,7 @@ def _megatron_loop(rank: int, world_size: int, directory: str) -> dict[str, Any]
         params = _jobs.local_params(LAYOUT, megatron_view(LAYOUT))
         clean = [param.grad.clone() for param in params]
         named = [(param._gradstat_name, param) for param in params]
-        namespace: dict[str, Any] = {"model": named, "directory": directory}
+        namespace: dict[str, Any] = {"model": named, "directory": directory, "optimizer": None}
         exec(recipe("recorder_setup"), namespace)
         recorder = namespace["recorder"]
         norms = {}

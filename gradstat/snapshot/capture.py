@@ -28,6 +28,7 @@ __all__ = [
     "coords_from_megatron",
     "coords_from_mesh",
     "dump_rank",
+    "gradients_to_dump",
     "logical_name",
     "named_gradients",
     "optimizer_fragments",
@@ -355,6 +356,47 @@ def _uses_distributed_optimizer(model: Any) -> bool:
     )
 
 
+def gradients_to_dump(
+    model: torch.nn.Module | Sequence[torch.nn.Module] | Iterable[tuple[str, Any]],
+    optimizer: Any = None,
+    grad_attr: str | None = None,
+    distributed_optimizer: bool = False,
+) -> tuple[list[tuple[str, Any]], str, bool]:
+    """What :func:`dump_rank` (and the flight recorder) dump of ``model``: named parameters,
+    the gradient attribute and whether they are distributed-optimizer fragments.
+
+    With a distributed ``optimizer``: its fragments (:func:`optimizer_fragments`),
+    ``"main_grad"``, True. Else the model's parameters (:func:`named_gradients`), ``grad_attr``
+    (None: ``"main_grad"`` when any parameter has one, else ``"grad"``) and
+    ``distributed_optimizer`` as given.
+
+    Raises:
+        SnapshotError: the model's DDP uses the distributed optimizer and no distributed
+            ``optimizer`` was given: its whole ``main_grad`` would give a wrong number.
+        ValueError: a ``grad_attr`` other than "main_grad" with fragments.
+    """
+    fragments = None if optimizer is None else optimizer_fragments(model, optimizer)
+    if fragments is not None:
+        if grad_attr not in (None, "main_grad"):
+            raise ValueError(
+                f"grad_attr={grad_attr!r}: distributed-optimizer fragments are main_grad ranges"
+            )
+        return fragments, "main_grad", True
+    if _uses_distributed_optimizer(model):
+        given = "no optimizer" if optimizer is None else f"a plain {type(optimizer).__name__}"
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        raise SnapshotError(
+            f"rank {rank}: the model's DDP uses the distributed optimizer, whose main_grad "
+            f"holds reduced values only in this rank's range, and {given} was given: pass "
+            "optimizer=optimizer"
+        )
+    pairs = named_gradients(model)
+    if grad_attr is None:
+        has_main = any(getattr(param, "main_grad", None) is not None for _, param in pairs)
+        grad_attr = "main_grad" if has_main else "grad"
+    return pairs, grad_attr, distributed_optimizer
+
+
 def dump_rank(
     directory: str | os.PathLike[str],
     model: torch.nn.Module | Sequence[torch.nn.Module] | Iterable[tuple[str, Any]],
@@ -421,31 +463,15 @@ def dump_rank(
     if found is None:
         found = {"dp": [rank, world_size]}
     merged = {**found, **{axis: list(place) for axis, place in (coords or {}).items()}}
-    fragments = None if optimizer is None else optimizer_fragments(model, optimizer)
-    if fragments is None and _uses_distributed_optimizer(model):
-        given = "no optimizer" if optimizer is None else f"a plain {type(optimizer).__name__}"
+    pairs, grad_attr, distributed_optimizer = gradients_to_dump(
+        model, optimizer, grad_attr, distributed_optimizer
+    )
+    if not any(getattr(param, grad_attr, None) is not None for _, param in pairs):
         raise SnapshotError(
-            f"rank {rank}: the model's DDP uses the distributed optimizer, whose main_grad "
-            f"holds reduced values only in this rank's range, and {given} was given: pass "
-            "optimizer=optimizer to dump_rank"
+            f"rank {rank}: none of the {len(pairs)} parameters has a .{grad_attr}: dump "
+            "after backward and before zero_grad (a snapshot of no gradients would read "
+            "as norm 0)"
         )
-    if fragments is not None:
-        if grad_attr not in (None, "main_grad"):
-            raise ValueError(
-                f"grad_attr={grad_attr!r}: distributed-optimizer fragments are main_grad ranges"
-            )
-        pairs, grad_attr, distributed_optimizer = fragments, "main_grad", True
-    else:
-        pairs = named_gradients(model)
-        if grad_attr is None:
-            has_main = any(getattr(param, "main_grad", None) is not None for _, param in pairs)
-            grad_attr = "main_grad" if has_main else "grad"
-        if not any(getattr(param, grad_attr, None) is not None for _, param in pairs):
-            raise SnapshotError(
-                f"rank {rank}: none of the {len(pairs)} parameters has a .{grad_attr}: dump "
-                "after backward and before zero_grad (a snapshot of no gradients would read "
-                "as norm 0)"
-            )
     return save_rank(
         directory,
         pairs,
