@@ -1,4 +1,4 @@
-"""The one exception family gradstat raises on purpose."""
+"""The one exception family gradstat raises on purpose, and the warning it gives."""
 
 from __future__ import annotations
 
@@ -38,3 +38,10 @@ class StoppedTogether(GradstatError):
     def __init__(self, message: str, *, quiet: bool = False) -> None:
         super().__init__(message)
         self.quiet = quiet
+
+
+class NativeKernelWarning(UserWarning):
+    """The native C kernel cannot be built or loaded: gradstat falls back to PyTorch operations,
+    same numbers, about 3x slower. Said once per process; silence it with
+    ``warnings.filterwarnings("ignore", category=NativeKernelWarning)``, or turn the kernel off
+    with ``GRADSTAT_NATIVE=0``."""

@@ -3,20 +3,38 @@ fp32 or bf16 tensor.
 
 PyTorch has no fused reduction for these, and its ``count_nonzero`` alone costs twice a sum.
 The C source ships with gradstat and is compiled on first use with the machine's C compiler
-(``$CC``, else ``cc``; -O3 -march=native -fopenmp), into a cache keyed by the source and flags
-(``$GRADSTAT_CACHE``, else ``~/.cache/gradstat``). Without a compiler, or with
-``GRADSTAT_NATIVE=0``, :func:`fused_f32` is None and gradstat uses PyTorch operations.
+(``$CC``, else ``cc``; -O3 -march=native -fopenmp, about 0.3 s), into a cache keyed by the
+source, the flags and the CPU's feature flags (``$GRADSTAT_CACHE``, else ``~/.cache/gradstat``).
+Without a compiler, or where the library does not build or load, :func:`fused` is None and
+gradstat uses PyTorch operations (about 3x slower for a snapshot's statistics), said once per
+process as a :class:`~gradstat.errors.NativeKernelWarning`; ``GRADSTAT_NATIVE=0`` turns the
+kernel off without a word.
+
+Why at first use, for this machine, rather than at install time or with runtime CPU dispatch:
+gradstat installs as a pure-Python wheel, so one wheel serves every platform and an install
+needs no compiler; a kernel built at install time would make the wheel platform-specific, and
+one built on a build machine could not use the CPU it runs on. Runtime dispatch
+(``target_clones`` for AVX2, AVX-512 and so on) exists to ship one binary to many CPUs, which
+gradstat does not do: the compile already runs on the CPU that will run the kernel, so
+``-march=native`` gives its best code with no dispatch code to keep. The cache key includes the
+CPU's flags because one cache may be shared by different CPUs (an NFS home on a cluster), and
+the library is renamed into place whole, so concurrent first uses (torchrun's processes) never
+load half a file. Megatron's own fused kernels were built the same way, on the machine at start-up
+(``torch.utils.cpp_extension.load``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+import time
+import warnings
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -24,10 +42,14 @@ from typing import Any
 
 import torch
 
+from .errors import NativeKernelWarning
+
 __all__ = ["FusedStats", "fused", "fused_f32", "native_kernel", "native_library"]
 
 _SOURCE = Path(__file__).with_name("_fused.c")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -56,6 +78,12 @@ def _cache_dir() -> Path:
 
 
 def _build(compiler: str, target: Path) -> None:
+    """Compile the library into ``target``.
+
+    Raises:
+        OSError: the cache directory or the library cannot be written.
+        subprocess.SubprocessError: the compiler failed or took over two minutes.
+    """
     target.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(handle)
@@ -77,7 +105,11 @@ def _load(target: Path) -> Any:
 
     Passive: between calls its threads sleep instead of spinning on the cores that PyTorch's
     own OpenMP threads need (measured: bf16 norms right after a zero count ran up to 1.3x
-    slower with spinning threads). The user's own setting wins; the variable is restored.
+    slower with spinning threads). libgomp takes the policy from its environment alone (no call
+    sets it), so the variable is set around this one load and removed again. Changing the
+    environment races with a getenv in another thread, so this happens at most once per process,
+    at the kernel's first use, never at import; an OMP_WAIT_POLICY the user set is left alone,
+    and then nothing is changed at all.
     """
     previous = os.environ.get("OMP_WAIT_POLICY")
     if previous is None:
@@ -89,23 +121,71 @@ def _load(target: Path) -> Any:
             del os.environ["OMP_WAIT_POLICY"]
 
 
-@cache
-def native_library() -> Any:
-    """The compiled library, or None where it cannot be built or loaded."""
-    if os.environ.get("GRADSTAT_NATIVE", "1") == "0" or not _SOURCE.exists():
-        return None
+class _Unavailable(Exception):
+    """Why the library cannot be had; the message completes "the native C kernel ..."."""
+
+
+def _last_line(error: subprocess.SubprocessError) -> str:
+    output = getattr(error, "stderr", None) or b""
+    lines = [line for line in output.decode(errors="replace").splitlines() if line.strip()]
+    return lines[-1].strip() if lines else str(error)
+
+
+def _compiled() -> Any:
+    """Build (unless cached) and load the library.
+
+    Raises:
+        _Unavailable: it cannot be built or loaded, saying why.
+    """
+    if not _SOURCE.exists():
+        raise _Unavailable(f"has no source ({_SOURCE} is missing)")
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
-        return None
+        raise _Unavailable(f"cannot be built: no C compiler {compiler!r} (set CC)")
     source = _SOURCE.read_bytes()
     identity = " ".join((compiler, *_FLAGS, _cpu_signature())).encode()
     key = hashlib.sha256(source + identity).hexdigest()[:16]
     target = _cache_dir() / f"fused-{platform.machine()}-{key}.so"
-    try:
-        if not target.exists():
+    if target.exists():
+        _log.info("native C kernel: %s (cached)", target)
+    else:
+        _log.info(
+            "native C kernel: compiling %s with %s %s", _SOURCE.name, compiler, " ".join(_FLAGS)
+        )
+        started = time.perf_counter()
+        try:
             _build(compiler, target)
-        library = _load(target)
-    except (OSError, subprocess.SubprocessError):
+        except subprocess.SubprocessError as error:
+            raise _Unavailable(f"did not build ({compiler}: {_last_line(error)})") from error
+        except OSError as error:
+            raise _Unavailable(f"did not build ({error})") from error
+        _log.info("native C kernel: %s, built in %.1f s", target, time.perf_counter() - started)
+    try:
+        return _load(target)
+    except OSError as error:
+        raise _Unavailable(f"did not load ({error})") from error
+
+
+@cache
+def native_library() -> Any:
+    """The compiled library, or None where it is turned off or cannot be built or loaded.
+
+    The fallback to PyTorch operations is said once per process, as a NativeKernelWarning,
+    unless ``GRADSTAT_NATIVE=0`` asked for it.
+    """
+    if os.environ.get("GRADSTAT_NATIVE", "1") == "0":
+        _log.info("native C kernel: off (GRADSTAT_NATIVE=0); PyTorch operations instead")
+        return None
+    try:
+        library = _compiled()
+    except _Unavailable as why:
+        warnings.warn(
+            f"gradstat's native C kernel {why}; using PyTorch operations, about 3x slower "
+            "(GRADSTAT_NATIVE=0 silences this)",
+            NativeKernelWarning,
+            stacklevel=1,  # no caller of this cached function is more telling than this line
+        )
+        _log.debug("native C kernel: unavailable", exc_info=why.__cause__)
         return None
     for dtype_name in _ENTRY_POINTS.values():
         function = getattr(library, f"gradstat_fused_{dtype_name}")
@@ -138,6 +218,11 @@ def _entry_point(dtype_name: str) -> Any:
     return None if library is None else getattr(library, f"gradstat_fused_{dtype_name}")
 
 
+@cache
+def _say_used(dtype_name: str) -> None:
+    _log.info("native C kernel: one pass over %s CPU gradients", dtype_name)
+
+
 def fused(grad: torch.Tensor) -> FusedStats | None:
     """One pass over a CPU fp32 or bf16 tensor (bf16 widened to fp32 in registers); None when
     the kernel is unavailable or does not apply."""
@@ -161,6 +246,7 @@ def fused(grad: torch.Tensor) -> FusedStats | None:
     )
     if status != 0:
         return None  # out of memory for the per-chunk sums: let PyTorch do it
+    _say_used(dtype_name)
     return FusedStats(sum_squares.value, zeros.value, max_abs.value, bool(has_nan.value))
 
 
