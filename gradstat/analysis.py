@@ -11,6 +11,7 @@ change that.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ __all__ = [
 ]
 
 _CPU = torch.device("cpu")
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -255,7 +257,9 @@ def _piece(rank_file: RankFile, param: RebuiltParam, request: Request) -> Piece:
 def file_pieces(rank_file: RankFile, request: Request) -> list[Piece]:
     """The pieces of one rank file, in the file's parameter order (it is mapped meanwhile)."""
     with rank_file.params() as params:
-        return [_piece(rank_file, param, request) for param in params if counts(rank_file, param)]
+        pieces = [_piece(rank_file, param, request) for param in params if counts(rank_file, param)]
+        _log.debug("%s: %d of %d tensors counted", rank_file.path, len(pieces), len(params))
+        return pieces
 
 
 def merge(pieces: Iterable[Piece], request: Request) -> SnapshotStats:
@@ -319,10 +323,18 @@ def snapshot_pieces(
 ) -> list[Piece]:
     """The pieces of the selected rank files (all by default), in rank-file order."""
     wanted = None if ranks is None else set(ranks)
+    chosen = [file for file in snapshot.files if wanted is None or file.rank in wanted]
+    megabytes = sum(file.size_bytes for file in chosen) / 1e6
+    where = f"{megabytes:.1f} MB, on {request.device}"
+    _log.info(
+        "%s: reading %d of %d rank files (%s)",
+        snapshot.directory,
+        len(chosen),
+        snapshot.world_size,
+        where,
+    )
     pieces = []
-    for rank_file in snapshot.files:
-        if wanted is not None and rank_file.rank not in wanted:
-            continue
+    for rank_file in chosen:
         pieces += file_pieces(rank_file, request)
         if on_file is not None:
             on_file(rank_file)

@@ -12,6 +12,12 @@ The JSON keeps the true strings; it is ASCII, so a lone surrogate is written as 
 ``\\udcff``, which Python's ``json`` reads back to the same string (``os.fsencode`` then gives
 the original bytes).
 
+``gradstat -v COMMAND`` says on stderr what happened (the snapshot read, the kernels that ran, the
+process group under torchrun), ``-vv`` more: the ``gradstat`` loggers' INFO and DEBUG records.
+Without it stderr carries errors and warnings only. A warning of gradstat's own (the native
+kernel's fallback to PyTorch) is one line, ``gradstat: warning: ...``, once per machine under
+torchrun.
+
 Exit status: 0 fine, 1 findings (non-finite or all-zero gradients, compare mismatches, audit
 findings), 2 bad input or usage, 141 when the reader of stdout leaves early (``gradstat norm
 DIR | head -1``): the output stops quietly with the status a shell reports for ``cat`` or
@@ -30,6 +36,7 @@ from __future__ import annotations
 import errno
 import gc
 import json
+import logging
 import math
 import os
 import sys
@@ -45,7 +52,7 @@ from rich.console import Console
 from typer.core import TyperGroup
 
 from ._version import __version__
-from .errors import GradstatError, StoppedTogether
+from .errors import GradstatError, NativeKernelWarning, StoppedTogether
 
 if TYPE_CHECKING:
     from typer._click.exceptions import UsageError
@@ -59,11 +66,10 @@ else:
     # or depends on it: BadParameter, whose base class is click's UsageError.
     UsageError = typer.BadParameter.__base__
 
+_log = logging.getLogger(__name__)
+
 EXIT_FINDINGS, EXIT_BAD_INPUT = 1, 2
 EXIT_BROKEN_PIPE = 128 + 13  # a shell's status for a tool killed by SIGPIPE
-
-# torch without numpy warns at import; gradstat needs no numpy, and stderr is for errors.
-warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 TORCHRUN = "torchrun --standalone --nproc-per-node N -m gradstat norm SNAPSHOT"
 
@@ -73,6 +79,27 @@ def _say_error(message: str) -> None:
     from .render import visible
 
     typer.echo(f"gradstat: error: {visible(message)}", err=True)
+
+
+def _one_line_warnings(show: Callable[..., None]) -> Callable[..., None]:
+    """``warnings.showwarning`` while a command runs: gradstat's own warnings as one line,
+    others as ``show`` shows them.
+
+    The native kernel's fallback is the same on every process of a machine: under torchrun the
+    first process of each machine says it.
+    """
+
+    def show_warning(
+        message: Warning | str, category: type[Warning], *where: Any, **more: Any
+    ) -> None:
+        if not issubclass(category, NativeKernelWarning):
+            show(message, category, *where, **more)
+        elif os.environ.get("LOCAL_RANK", "0") == "0":
+            from .render import visible
+
+            typer.echo(f"gradstat: warning: {visible(str(message))}", err=True)
+
+    return show_warning
 
 
 def _message(error: GradstatError | OSError) -> str:
@@ -117,6 +144,30 @@ class _Session:
         self.timeout_s = 30.0
         self.bars: ProgressBars | None = None
         self.status_file = _option_value(self.arguments, "--status-file")
+        self.log_handler: logging.Handler | None = None
+        self.log_level = logging.NOTSET
+
+    def log_to_stderr(self, level: int) -> None:
+        """Show the ``gradstat`` loggers' records from ``level`` up on stderr while this run
+        lasts (:meth:`stop_logging`), each line naming the process under a launcher."""
+        from .launcher import launch_rank, launched
+
+        handler = logging.StreamHandler(sys.stderr)
+        process = f"[{launch_rank()}]" if launched() else ""
+        form = f"gradstat{process}: %(levelname)s %(name)s: %(message)s"
+        handler.setFormatter(logging.Formatter(form))
+        logger = logging.getLogger("gradstat")
+        self.stop_logging()
+        self.log_handler, self.log_level = handler, logger.level
+        logger.addHandler(handler)
+        logger.setLevel(level)
+
+    def stop_logging(self) -> None:
+        if self.log_handler is not None:
+            logger = logging.getLogger("gradstat")
+            logger.removeHandler(self.log_handler)
+            logger.setLevel(self.log_level)
+            self.log_handler = None
 
     def speaks(self) -> bool:
         """Whether this process prints: alone, or process 0 under a launcher."""
@@ -149,6 +200,10 @@ class _Session:
         if not as_json and console.is_interactive:
             self.bars = ProgressBars(console)
         self.place = join(timeout_s, self.bars)
+        if self.place.size > 1:
+            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            rank, size = self.place.rank, self.place.size
+            _log.info("process %d of %d: joined the gloo group at %s", rank, size, where)
         agree(self.place, self.arguments, snapshot_dirs)
         return self.place
 
@@ -274,6 +329,15 @@ class _Commands(TyperGroup):
         kwargs["standalone_mode"] = False
         given = kwargs.get("args", args[0] if args else None)
         session = _Session(sys.argv[1:] if given is None else given)
+        with warnings.catch_warnings():
+            # torch without numpy warns at import; gradstat needs no numpy, stderr is for errors.
+            warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+            warnings.showwarning = _one_line_warnings(warnings.showwarning)
+            status = self._run(session, *args, **kwargs)
+        sys.exit(status)
+
+    def _run(self, session: _Session, *args: Any, **kwargs: Any) -> int:
+        """Run the command in ``session``; its exit status."""
         _SESSIONS.append(session)
         try:
             try:
@@ -292,8 +356,9 @@ class _Commands(TyperGroup):
                 status = session.failed(_message(error))
             status = session.close(status)
         finally:
+            session.stop_logging()
             _SESSIONS.remove(session)
-        sys.exit(status)
+        return status
 
 
 app = typer.Typer(
@@ -437,8 +502,20 @@ def _root(
             "--version", callback=_print_version, is_eager=True, help="Print the version and exit."
         ),
     ] = False,
+    verbose: Annotated[
+        int,
+        typer.Option(
+            "--verbose",
+            "-v",
+            count=True,
+            help="Say on stderr what happened (snapshot read, kernels, process group); -vv more. "
+            "Before the command: `gradstat -v norm DIR`.",
+        ),
+    ] = 0,
 ) -> None:
     """Megatron-exact gradient norms, clipping and zero counts for sharded gradients."""
+    if verbose:
+        _session().log_to_stderr(logging.INFO if verbose == 1 else logging.DEBUG)
 
 
 @app.command()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import logging
 import math
 import os
 import weakref
@@ -72,6 +73,14 @@ FLOAT64_GUARD = 2.0**-900
 # ranks with an op, the same on every rank; see :func:`reduced_norm`.
 StatCompute = Callable[[list[Tensor], torch.device], Tensor]
 StatReduce = Callable[[StatCompute, dist.ReduceOp.RedOpType], Tensor]
+
+_log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _say_path(path: str) -> None:
+    """Log which kernel path ran, once per process and path (it runs once per tensor list)."""
+    _log.info("kernels: %s", path)
 
 
 def check_dtype(grad: Tensor, what: str = "gradient") -> None:
@@ -201,7 +210,9 @@ def _foreach_power_sum(grads: Sequence[Tensor], p: int, device: torch.device) ->
 def _fast_power_sum(grads: Sequence[Tensor], p: int, device: torch.device) -> Tensor:
     if grads and all(grad.is_cuda for grad in grads):
         # One launch for all tensors: per-tensor kernels would cost more than reading the data.
+        _say_path("CUDA gradients: PyTorch's multi-tensor norm, partials added in float64")
         return _foreach_power_sum(grads, p, device)
+    _say_path(f"CPU gradients: PyTorch norms of {ROW}-element rows, added in float64")
     return _rows_power_sum(grads, p, device)
 
 
@@ -278,10 +289,13 @@ class CudaPlan:
             torch.cuda.current_stream(device).wait_stream(side)
             with torch.cuda.graph(graph):
                 out = compute()
-        except Exception:  # a CUDA or Triton error: the eager way still works
+        except Exception as error:  # a CUDA or Triton error: the eager way still works
             self.failed = True  # this list cannot be captured: launch it eagerly
+            _log.info("CUDA graph: capture of %d gradients failed (%s); eager", len(grads), error)
             return
         self.graph, self.out, self.tables = graph, out, tables
+        what = f"the L{p} partials of {len(grads)} gradients on {device}"
+        _log.info("CUDA graph: captured %s (%d Triton tables)", what, len(tables))
 
 
 def _chunk_tables(grads: Sequence[Tensor]) -> tuple[list[_triton.ChunkTable], list[Tensor]]:
