@@ -78,3 +78,10 @@ def test_version_from_module_entry_point() -> None:
     result = run_gradstat("--version", timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"gradstat {gradstat.__version__}"
+
+
+def test_public_names_are_megatrons_api_and_three_of_gradstats_own() -> None:
+    own = {"AxisPlace", "GradstatError", "Recorder", "__version__"}
+    assert set(gradstat.__all__) == {*gradstat.clip_grads.__all__, *own}
+    assert all(getattr(gradstat, name) is not None for name in gradstat.__all__)
+    assert "clip_coefficient" not in gradstat.__all__  # gradstat's helper, not Megatron's API
