@@ -5,6 +5,19 @@ file size, UTF-8 JSON without duplicate keys, each entry's dtype, shape and byte
 the ranges tile the data section exactly (no overlap, no hole, no trailing bytes). The file's
 identity, size and modification time are kept with the header: mapping refuses a file that has
 changed since, and each tensor lookup re-checks the size before the tensor's pages are touched.
+
+Why not the safetensors library, which the field trusts and fuzzes: its ``safe_open`` gives no
+tensor's byte range, so the file could not be mapped once and every tensor viewed in it; each
+``get_tensor`` costs a call of its own. Measured with ``benchmarks/bench_reader.py`` (CPU time,
+per rank file): the header and its checks 0.037 ms here against 0.034 ms through ``safe_open``
+(8192 files of 4 tensors) and 0.28 against 0.14 ms (8 files of 51 tensors); the header and then
+every tensor 0.71x and 0.48x the time ``safe_open`` + ``get_tensor`` take. Everything
+safetensors checks of a header is checked here too, and more: a key given twice, files that
+change while they are read. The writer streams one tensor at a time (``write_container``),
+where ``safetensors.torch.save_file`` wants every tensor in host memory at once: a rank's
+gigabytes of GPU gradients would need as much host memory. The tests read what gradstat writes
+back through ``safe_open`` (``test_snapshot.py::test_a_rank_file_is_plain_safetensors``, every
+dtype bitwise), so the files stay plain safetensors.
 """
 
 from __future__ import annotations
