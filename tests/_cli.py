@@ -1,4 +1,4 @@
-"""The CLI as a user runs it, in a subprocess; where the sample data is; the README's recipes.
+"""The CLI as a user runs it, in a subprocess; where the sample data is; the docs' recipes.
 
 ``run_gradstat("norm", SAMPLE, "--json")`` is ``python -m gradstat norm SAMPLE --json``;
 ``nproc=N`` runs it under ``torchrun --standalone --nproc-per-node N -m gradstat`` (as the README
@@ -18,6 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_DATA = ROOT / "sample_data"
 README = ROOT / "README.md"
+# Where users read: the README and the documents it points to.
+DOCUMENTS = (README, *sorted((ROOT / "docs").glob("*.md")))
 BIN = Path(sys.executable).parent
 
 
@@ -60,8 +62,14 @@ def run_gradstat(
 
 
 def recipe(name: str) -> str:
-    """The README's code block that starts with ``# recipe: NAME``."""
-    blocks = re.findall(r"```python\n(# recipe: (\w+)\n.*?)```", README.read_text(), re.S)
-    found = [code for code, label in blocks if label == name]
-    assert len(found) == 1, f"README has {len(found)} '# recipe: {name}' blocks"
+    """The code block of the README or docs/ that starts with ``# recipe: NAME``."""
+    found = [
+        code
+        for document in DOCUMENTS
+        for code, label in re.findall(
+            r"```python\n(# recipe: (\w+)\n.*?)```", document.read_text(), re.S
+        )
+        if label == name
+    ]
+    assert len(found) == 1, f"README and docs/ have {len(found)} '# recipe: {name}' blocks"
     return found[0]

@@ -23,7 +23,7 @@ import torch
 from rich.filesize import decimal
 
 from gradstat.snapshot import save_rank
-from tests._cli import ROOT, SAMPLE_DATA, run_gradstat
+from tests._cli import DOCUMENTS, ROOT, SAMPLE_DATA, run_gradstat
 from tests._oracle import float64_norm
 from tests._params import param_with
 
@@ -540,11 +540,12 @@ def test_under_torchrun_process_0_alone_draws_everyones_progress(tmp_path: Path)
 
 
 def _readme_examples() -> list[tuple[str, list[str]]]:
-    """Each ``$ gradstat ...`` block of the README: its command and the lines shown."""
+    """Each ``$ gradstat ...`` block of the README and docs/: its command and the lines shown."""
     examples = []
-    for block in re.findall(r"```\n(\$ gradstat .*?)```", (ROOT / "README.md").read_text(), re.S):
-        command, *lines = block.rstrip("\n").split("\n")
-        examples.append((command.removeprefix("$ "), lines))
+    for document in DOCUMENTS:
+        for block in re.findall(r"```\n(\$ gradstat .*?)```", document.read_text(), re.S):
+            command, *lines = block.rstrip("\n").split("\n")
+            examples.append((command.removeprefix("$ "), lines))
     return examples
 
 

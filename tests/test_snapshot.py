@@ -15,7 +15,19 @@ from safetensors import safe_open
 import gradstat
 from gradstat.analysis import snapshot_stats
 from gradstat.errors import SnapshotError
+from gradstat.groups import AxisPlace
+from gradstat.placements import MeshPlacement
 from gradstat.snapshot import Snapshot, save_rank
+from gradstat.snapshot.format import (
+    ATTRIBUTE_KINDS,
+    AXES,
+    DTYPES,
+    FORMAT_VERSION,
+    GRAD_ATTRS,
+    ParamRecord,
+    RankHeader,
+)
+from tests._cli import SAMPLE_DATA
 from tests._jobs import (
     NORM_TYPES,
     OUTPUT_COPY,
@@ -26,6 +38,7 @@ from tests._jobs import (
 )
 from tests._oracle import float64_norm, rel_err, zeros_in
 from tests._params import param_with
+from tests._schema import errors as schema_errors
 
 LAYOUTS = [
     Job("single"),
@@ -260,3 +273,81 @@ def test_rank_files_get_the_usual_file_mode(tmp_path: Path) -> None:
     finally:
         os.umask(previous)
     assert path.stat().st_mode & 0o777 == 0o644
+
+
+# --- the header's JSON Schema ---------------------------------------------------------------
+
+SCHEMA_PATH = Path(__file__).resolve().parent.parent / "docs" / "snapshot-header.schema.json"
+
+
+def _schema() -> dict[str, Any]:
+    return dict(json.loads(SCHEMA_PATH.read_text()))
+
+
+def test_the_schema_names_what_the_format_names() -> None:
+    schema = _schema()
+    definitions = schema["$defs"]
+    assert tuple(schema["properties"]["coords"]["properties"]) == AXES
+    assert schema["properties"]["grad_attr"]["enum"] == list(GRAD_ATTRS)
+    assert definitions["param"]["properties"]["dtype"]["enum"] == [*DTYPES, None]
+    assert set(definitions["attrs"]["properties"]) == set(ATTRIBUTE_KINDS)
+    assert schema["properties"]["version"]["const"] == FORMAT_VERSION
+
+
+def _headers_written(tmp_path: Path) -> list[dict[str, Any]]:
+    """Headers as gradstat writes them: the sample data, a rank file with every attribute and
+    triggers, and a DTensor record."""
+    headers = [
+        json.loads(_read_with_safetensors(path)[1]["gradstat"])
+        for path in sorted(SAMPLE_DATA.glob("*/*.safetensors"))
+    ]
+    fragment = param_with(
+        torch.randn(6),
+        tensor_model_parallel=True,
+        partition_dim=0,
+        is_gtp_weight_remat=True,
+        pad_length=2,
+        gtp_pad_zeros=1,
+        fragment_offset=4,
+        fragment_shape=[5, 2],
+        allreduce=False,
+        group=AxisPlace(1, 2),
+    )
+    path = save_rank(
+        tmp_path,
+        [("w", fragment), ("frozen", param_with(None))],
+        rank=0,
+        world_size=1,
+        coords={"egtp": [1, 2]},
+        distributed_optimizer=True,
+        triggers=("spike",),
+    )
+    headers.append(json.loads(_read_with_safetensors(path)[1]["gradstat"]))
+    placement = MeshPlacement(
+        mesh_shape=(2, 2),
+        coordinate=(1, 0),
+        placements=("S(0)", "R"),
+        global_shape=(8, 4),
+        mesh_dim_names=("dp_shard", "tp"),
+        global_offset=(4, 0),
+        copies=(("pp", 0, 2),),
+    )
+    record = ParamRecord("d", True, (4, 4), "bfloat16", (8, 4), {}, placement)
+    coords = {axis: (0, 1) for axis in AXES}
+    header = RankHeader(0, 4, 7, coords, False, "grad", (record,))
+    headers.append(json.loads(header.to_json()))
+    return headers
+
+
+def test_every_header_gradstat_writes_follows_the_schema(tmp_path: Path) -> None:
+    headers = _headers_written(tmp_path)
+    assert len(headers) > 30
+    for header in headers:
+        assert schema_errors(_schema(), header) == [], header["rank"]
+    # The checker can fail: what the reader refuses, the schema refuses too.
+    broken = json.loads(json.dumps(headers[-2]))
+    broken["params"][0]["attrs"]["bogus"] = 1
+    broken["coords"]["tp"] = [0]
+    broken["grad_attr"] = "grad_of_grad"
+    found = schema_errors(_schema(), broken)
+    assert len(found) == 3, found
