@@ -114,7 +114,7 @@ def _run(side: str, directory: Path) -> dict[str, float]:
 def _baseline_rss() -> float:
     """Peak RSS of a process that imports torch, gradstat and safetensors and does nothing."""
     code = (
-        "import sys, torch, safetensors, gradstat.analysis;"
+        "import sys, torch, safetensors, gradstat.analysis.stats;"
         f"sys.path.insert(0, {str(Path(__file__).parent)!r});"
         "from bench_snapshot import _peak_rss; print(_peak_rss())"
     )

@@ -10,16 +10,16 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._version import __version__ as __version__
+from gradstat._version import __version__ as __version__
 
 if TYPE_CHECKING:
-    from .clip_grads import *  # noqa: F403
-    from .errors import GradstatError as GradstatError
-    from .groups import AxisPlace as AxisPlace
-    from .recorder import Recorder as Recorder
+    from gradstat.clip_grads import *  # noqa: F403
+    from gradstat.core.groups import AxisPlace as AxisPlace
+    from gradstat.errors import GradstatError as GradstatError
+    from gradstat.recorder import Recorder as Recorder
 
 # gradstat's own public names and their modules; Megatron's are listed once, in clip_grads.
-_OWN = {"GradstatError": "errors", "AxisPlace": "groups", "Recorder": "recorder"}
+_OWN = {"GradstatError": "errors", "AxisPlace": "core.groups", "Recorder": "recorder"}
 
 
 def _megatron_api() -> list[str]:

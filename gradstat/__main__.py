@@ -1,3 +1,3 @@
-from .cli import main
+from gradstat.cli.app import main
 
 main()

@@ -16,9 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import kernels
-from .errors import GradDtypeError, NormTypeError
-from .groups import (
+from gradstat.core import kernels
+from gradstat.core.groups import (
     MeshShards,
     RankLike,
     all_reduce,
@@ -29,13 +28,14 @@ from .groups import (
     stats_device,
     to_local,
 )
-from .predicates import (
+from gradstat.core.predicates import (
     gtp_local_pad_zero_count,
     param_is_not_gtp_duplicate,
     param_is_not_shared,
     param_is_not_tensor_parallel_duplicate,
 )
-from .predicates import gtp_pad_zero_count as _gtp_pad_zero_count
+from gradstat.core.predicates import gtp_pad_zero_count as _gtp_pad_zero_count
+from gradstat.errors import GradDtypeError, NormTypeError
 
 __all__ = [
     "GradNorm",
@@ -88,7 +88,7 @@ def _stat(
     """One statistic of ``grads``, each element counted once, reduced over their ranks.
 
     Plain gradients count as they are and their statistic is reduced over ``group``. DTensor
-    gradients count by placement (see :mod:`gradstat.placements`), reduced over their mesh,
+    gradients count by placement (see :mod:`gradstat.core.placements`), reduced over their mesh,
     then over ``group`` without counting a rank the mesh reduction already covered.
 
     Args:

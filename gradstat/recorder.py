@@ -45,17 +45,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .clip_grads import check_norm_type, get_grad_norm_fp32, total_norm
-from .errors import GradstatError
-from .groups import megatron_state, megatron_stats_groups, stats_device
-from .kernels import combine_norms
-from .predicates import (
+from gradstat.clip_grads import check_norm_type, get_grad_norm_fp32, total_norm
+from gradstat.core.groups import megatron_state, megatron_stats_groups, stats_device
+from gradstat.core.kernels import combine_norms
+from gradstat.core.predicates import (
     param_is_not_gtp_duplicate,
     param_is_not_shared,
     param_is_not_tensor_parallel_duplicate,
 )
-from .snapshot.capture import dump_rank, gradients_to_dump
-from .snapshot.format import FILE_PATTERN
+from gradstat.errors import GradstatError
+from gradstat.snapshot.capture import dump_rank, gradients_to_dump
+from gradstat.snapshot.format import FILE_PATTERN
 
 __all__ = ["TRIGGERS", "Recorder", "StepRecord", "complete_snapshots"]
 

@@ -43,9 +43,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gradstat.analysis import snapshot_stats
-from gradstat.audit import audit_snapshot
-from gradstat.runner import Place
+from gradstat.analysis.audit import audit_snapshot
+from gradstat.analysis.stats import snapshot_stats
+from gradstat.cli.runner import Place
 from gradstat.snapshot import Snapshot
 from gradstat.testing import (
     Layout,

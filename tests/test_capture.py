@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from gradstat import AxisPlace
-from gradstat.analysis import snapshot_stats
+from gradstat.analysis.stats import snapshot_stats
 from gradstat.errors import SnapshotError
 from gradstat.snapshot import Snapshot, dump_rank
 from gradstat.snapshot.capture import coords_from_megatron, logical_name, named_gradients

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from gradstat.render import visible
+from gradstat.cli.render import visible
 from gradstat.snapshot import save_rank
 from tests._cli import SAMPLE_DATA, run_gradstat
 from tests._params import param_with

@@ -143,7 +143,7 @@ def _training_grads(count: int) -> list[torch.Tensor]:
 
 def test_repeated_calls_replay_a_graph_that_sees_each_steps_values() -> None:
     """A training loop's pattern: the same gradients every step, new values in place."""
-    from gradstat import kernels
+    from gradstat.core import kernels
 
     grads = _training_grads(300)
     for step in range(6):
@@ -170,7 +170,7 @@ def test_repeated_calls_replay_a_graph_that_sees_each_steps_values() -> None:
 
 
 def test_a_changed_or_freed_list_is_not_replayed() -> None:
-    from gradstat import kernels
+    from gradstat.core import kernels
 
     def check(grads: list[torch.Tensor]) -> None:
         expected = float64_norm([grad.cpu() for grad in grads], 2)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from gradstat import kernels
+from gradstat.core import kernels
 
 
 class _FakeGraph:
@@ -141,7 +141,7 @@ def test_a_prepared_grad_norm_off_cuda_is_get_grad_norm_fp32() -> None:
 
 _TRITON_CHECK = """
 import torch
-from gradstat import _triton
+from gradstat.core import _triton
 gen = torch.Generator().manual_seed(0)
 fp32 = [torch.randn(n, generator=gen) * 1e-3 for n in (5, 70_000, 131_072, 1)]
 bf16 = [torch.randn(n, generator=gen).bfloat16() for n in (300, 65_537)]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradstat import native
+from gradstat.core import native
 from gradstat.errors import NativeKernelWarning
 
 RunGradstat = Callable[..., subprocess.CompletedProcess[str]]
@@ -36,10 +36,10 @@ def test_verbose_logs_on_stderr_and_leaves_stdout_alone(
     assert json.loads(verbose.stdout)["total_norm"] > 0
     assert plain.stderr == ""
     lines = verbose.stderr.splitlines()
-    assert f"gradstat: INFO gradstat.analysis: {snapshot}: reading 8 of 8 rank files" in (
+    assert f"gradstat: INFO gradstat.analysis.stats: {snapshot}: reading 8 of 8 rank files" in (
         verbose.stderr
     )
-    kernel = [line for line in lines if "gradstat.native: native C kernel: " in line]
+    kernel = [line for line in lines if "gradstat.core.native: native C kernel: " in line]
     assert kernel and any(line.endswith((".so (cached)", " s")) for line in kernel), lines
     assert all(line.startswith("gradstat: INFO ") for line in lines), lines
     assert not any("DEBUG" in line for line in lines)
@@ -122,7 +122,7 @@ after = (list(warnings.filters), umask(), dict(os.environ), warnings.showwarning
 assert before == after, [pair for pair in zip(before, after) if pair[0] != pair[1]]
 assert "torch" not in sys.modules
 import torch
-from gradstat import native
+from gradstat.core import native
 environment = dict(os.environ)
 assert native.fused(torch.ones(4)) is not None or os.environ.get("GRADSTAT_NATIVE") == "0"
 assert dict(os.environ) == environment, "the kernel's first use changed the environment"
@@ -155,12 +155,12 @@ def test_under_torchrun_each_process_logs_and_one_warns(
     for process in (0, 1):
         assert any(
             line.startswith(
-                f"gradstat[{process}]: INFO gradstat.cli: process {process} of 2: "
+                f"gradstat[{process}]: INFO gradstat.cli.app: process {process} of 2: "
                 "joined the gloo group at "
             )
             for line in lines
         ), lines
-        assert f"gradstat[{process}]: INFO gradstat.analysis: {snapshot}: reading 4 of 8" in (
+        assert f"gradstat[{process}]: INFO gradstat.analysis.stats: {snapshot}: reading 4 of 8" in (
             result.stderr
         )
     warned = [line for line in lines if line.startswith("gradstat: warning: ")]

@@ -21,8 +21,9 @@ import torch
 from torch import Tensor
 from typer.testing import CliRunner
 
-from gradstat import get_grad_norm_fp32, kernels, native
+from gradstat import get_grad_norm_fp32
 from gradstat.cli import app
+from gradstat.core import kernels, native
 from gradstat.snapshot import save_rank
 from gradstat.testing import Case, launch
 from tests._cli import run_gradstat

@@ -177,7 +177,7 @@ FAULTY = """
 import os, signal, sys, time, warnings
 from pathlib import Path
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-from gradstat import runner
+from gradstat.cli import runner
 from gradstat.errors import GradstatError
 
 where, how, folder = sys.argv[1], sys.argv[2], Path(sys.argv[3])

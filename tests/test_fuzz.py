@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from gradstat.analysis import snapshot_stats
-from gradstat.audit import audit_snapshot
-from gradstat.compare import compare_snapshots
+from gradstat.analysis.audit import audit_snapshot
+from gradstat.analysis.compare import compare_snapshots
+from gradstat.analysis.stats import snapshot_stats
+from gradstat.cli.runner import Place
 from gradstat.errors import GradstatError
-from gradstat.runner import Place
 from gradstat.snapshot import Snapshot, save_rank
 
 MUTANTS = 2000

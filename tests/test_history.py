@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import gradstat
+from gradstat.analysis.history import read_history, sparkline
 from gradstat.errors import SnapshotError
-from gradstat.history import read_history, sparkline
 from tests._oracle import float64_norm, zeros_in
 
 SPIKE_AT, ZEROED_AT, NAN_AT, STEPS = 5, 8, 10, 11

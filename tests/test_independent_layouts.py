@@ -3,10 +3,10 @@
 Each layout (tests/_jobs.py over gradstat.testing's sharder; ranks written with save_rank alone)
 is compared with a reference whose rank files hold whole tensors (only pipeline stages split
 it, so nothing needs placing) and checked against the float64 statistics of the unsharded
-gradients, so a convention that the sharder and the rebuilder (gradstat/tiles.py) shared wrongly
-would show; pairs of different layouts must agree element by element; then single planted
-differences, in a shard, a fragment or a replica, must be found and named. GTP padding is
-planted where the padding mask (cut from a really padded tensor) says it is.
+gradients, so a convention that the sharder and the rebuilder (gradstat/analysis/tiles.py)
+shared wrongly would show; pairs of different layouts must agree element by element; then
+single planted differences, in a shard, a fragment or a replica, must be found and named. GTP
+padding is planted where the padding mask (cut from a really padded tensor) says it is.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradstat import native
+from gradstat.core import native
 from tests._oracle import float64_norm, rel_err, zeros_in
 
 SAMPLE = Path(__file__).resolve().parent.parent / "sample_data" / "gtp2-pp2-dp2-ep2"

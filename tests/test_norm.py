@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from gradstat import get_grad_norm_fp32, kernels
+from gradstat import get_grad_norm_fp32
+from gradstat.core import kernels
 from gradstat.errors import GradDtypeError, NormTypeError
 from tests._oracle import float64_norm, rel_err
 

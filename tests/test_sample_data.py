@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 import gradstat
-from gradstat.analysis import SnapshotStats, snapshot_stats
+from gradstat.analysis.stats import SnapshotStats, snapshot_stats
 from gradstat.snapshot import Snapshot
 from gradstat.testing import Layout, LayoutError, ParamLayout, shard_gradients
 from tests._oracle import float64_norm, rel_err, zeros_in
@@ -276,8 +276,8 @@ def test_bugs_snapshot_holds_the_three_planted_bugs(
     generated: Path, grads: dict[str, torch.Tensor]
 ) -> None:
     """gradstat audit finds each bug; the norms it gives come from float64 sums of squares."""
-    from gradstat.audit import audit_snapshot
-    from gradstat.runner import Place
+    from gradstat.analysis.audit import audit_snapshot
+    from gradstat.cli.runner import Place
 
     report = audit_snapshot(Snapshot.open(generated / sample.BUGS), Place(0, 1))
     found = {finding.kind: finding for finding in report.findings}

@@ -13,10 +13,10 @@ import torch
 from safetensors import safe_open
 
 import gradstat
-from gradstat.analysis import snapshot_stats
+from gradstat.analysis.stats import snapshot_stats
+from gradstat.core.groups import AxisPlace
+from gradstat.core.placements import MeshPlacement
 from gradstat.errors import SnapshotError
-from gradstat.groups import AxisPlace
-from gradstat.placements import MeshPlacement
 from gradstat.snapshot import Snapshot, save_rank
 from gradstat.snapshot.format import (
     ATTRIBUTE_KINDS,

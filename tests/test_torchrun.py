@@ -71,7 +71,7 @@ def test_bad_rank_file_stops_every_process_with_one_line(tmp_path: Path) -> None
     assert result.stderr.count(message) == 1, result.stderr
     assert len(_error_lines(result.stderr)) == 1, result.stderr
     # torchrun's own launcher prints a traceback when its children fail; none comes from ours.
-    assert "gradstat/cli.py" not in result.stderr
+    assert "gradstat/cli/app.py" not in result.stderr
     assert result.stdout == ""
 
 

@@ -1,8 +1,8 @@
 """Snapshots: every rank dumps its gradients with their attributes; a reader rebuilds them."""
 
-from .capture import dump_rank
-from .reader import RankFile, RebuiltParam, Snapshot, SnapshotShare
-from .writer import save_rank
+from gradstat.snapshot.capture import dump_rank
+from gradstat.snapshot.reader import RankFile, RebuiltParam, Snapshot, SnapshotShare
+from gradstat.snapshot.writer import save_rank
 
 __all__ = [
     "RankFile",

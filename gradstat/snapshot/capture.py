@@ -18,11 +18,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import SnapshotError
-from ..groups import megatron_gtp_group, megatron_state
-from ..predicates import gtp_local_pad_zero_count
-from .format import AXES, PLAIN_ATTRS
-from .writer import save_rank
+from gradstat.core.groups import megatron_gtp_group, megatron_state
+from gradstat.core.predicates import gtp_local_pad_zero_count
+from gradstat.errors import SnapshotError
+from gradstat.snapshot.format import AXES, PLAIN_ATTRS
+from gradstat.snapshot.writer import save_rank
 
 __all__ = [
     "coords_from_megatron",

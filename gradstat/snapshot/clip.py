@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
-from ..errors import SnapshotError
-from .container import write_container
-from .reader import RankFile, Snapshot
-from .writer import new_hidden_directory
+from gradstat.errors import SnapshotError
+from gradstat.snapshot.container import write_container
+from gradstat.snapshot.reader import RankFile, Snapshot
+from gradstat.snapshot.writer import new_hidden_directory
 
 __all__ = ["check_output_dir", "write_clipped"]
 

@@ -38,8 +38,15 @@ from typing import IO, Any
 
 import torch
 
-from ..errors import SnapshotError
-from .format import CODE_NAMES, DTYPE_NAMES, DTYPES, fits_torch, load_json, supported_dtypes
+from gradstat.errors import SnapshotError
+from gradstat.snapshot.format import (
+    CODE_NAMES,
+    DTYPE_NAMES,
+    DTYPES,
+    fits_torch,
+    load_json,
+    supported_dtypes,
+)
 
 # A header larger than this is not a gradient snapshot's: refuse before reading it.
 MAX_HEADER_BYTES = 256 << 20

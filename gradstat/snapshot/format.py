@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from ..errors import SnapshotError
-from ..placements import MeshPlacement, valid_code
+from gradstat.core.placements import MeshPlacement, valid_code
+from gradstat.errors import SnapshotError
 
 FORMAT_NAME = "gradstat-snapshot"
 FORMAT_VERSION = 1

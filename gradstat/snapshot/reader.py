@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from ..errors import SnapshotError
-from ..groups import AxisPlace
-from .container import Container, mapped, read_container
-from .format import (
+from gradstat.core.groups import AxisPlace
+from gradstat.errors import SnapshotError
+from gradstat.snapshot.container import Container, mapped, read_container
+from gradstat.snapshot.format import (
     ATTRIBUTE_DEFAULTS,
     AXES,
     METADATA_KEY,

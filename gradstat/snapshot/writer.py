@@ -11,11 +11,11 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..errors import SnapshotError
-from ..groups import group_rank, group_size, is_dtensor, to_local
-from ..placements import describe
-from .container import write_container
-from .format import (
+from gradstat.core.groups import group_rank, group_size, is_dtensor, to_local
+from gradstat.core.placements import describe
+from gradstat.errors import SnapshotError
+from gradstat.snapshot.container import write_container
+from gradstat.snapshot.format import (
     ATTRIBUTE_KINDS,
     AXES,
     DTYPE_NAMES,

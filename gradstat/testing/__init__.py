@@ -9,9 +9,9 @@ own tests use exactly these; their expected values come from the unsharded gradi
 
 from __future__ import annotations
 
-from . import layout as _layout
-from . import spawn as _spawn
-from .layout import *  # noqa: F403
-from .spawn import *  # noqa: F403
+from gradstat.testing import layout as _layout
+from gradstat.testing import spawn as _spawn
+from gradstat.testing.layout import *  # noqa: F403
+from gradstat.testing.spawn import *  # noqa: F403
 
 __all__ = [*_layout.__all__, *_spawn.__all__]

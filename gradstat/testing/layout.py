@@ -48,9 +48,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from ..errors import GradstatError
-from ..groups import AxisPlace
-from ..snapshot.format import PLAIN_ATTRS
+from gradstat.core.groups import AxisPlace
+from gradstat.errors import GradstatError
+from gradstat.snapshot.format import PLAIN_ATTRS
 
 __all__ = [
     "Layout",
@@ -494,7 +494,7 @@ def write_snapshot(
     Raises:
         SnapshotError: a rank file exists already or cannot be written.
     """
-    from ..snapshot import save_rank
+    from gradstat.snapshot import save_rank
 
     return [
         save_rank(

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .errors import PartialGradientError
-from .placements import describe, root_mesh
+from gradstat.core.placements import describe, root_mesh
+from gradstat.errors import PartialGradientError
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -222,7 +222,7 @@ def split_by_mesh(
         tensor_parallel: per gradient, whether its parameter is Megatron tensor-parallel (only
             read with ``root``).
         root: reduce over the root mesh, counting the copies a mesh slice has along the root's
-            other dimensions once (see :mod:`gradstat.placements`); False: only the DTensor's
+            other dimensions once (see :mod:`gradstat.core.placements`); False: only the DTensor's
             own placements decide, Megatron's attribute filters having removed the copies.
 
     Returns:

@@ -17,10 +17,10 @@ from rich.markup import escape
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from .audit import AuditReport
-    from .compare import CompareReport
-    from .report import ClipReport, InspectReport, NormReport, SnapshotInfo, ZerosReport
-    from .runner import Progress
+    from gradstat.analysis.audit import AuditReport
+    from gradstat.analysis.compare import CompareReport
+    from gradstat.cli.report import ClipReport, InspectReport, NormReport, SnapshotInfo, ZerosReport
+    from gradstat.cli.runner import Progress
 
 __all__ = [
     "ProgressBars",
@@ -293,7 +293,7 @@ def print_audit(console: Console, report: AuditReport) -> None:
 class ProgressBars:
     """How far a command is, as rich progress bars on ``console`` (stderr), one per stage.
 
-    Called with each :class:`~gradstat.runner.Progress`; the bars appear with the first one,
+    Called with each :class:`~gradstat.cli.runner.Progress`; the bars appear with the first one,
     count units and bytes, and vanish at :meth:`stop`, before any result is printed.
     """
 

@@ -23,11 +23,11 @@ from types import TracebackType
 import torch
 from torch import Tensor
 
-from .analysis import counts
-from .predicates import gtp_pad_start
-from .snapshot import RankFile, Snapshot
-from .snapshot.container import mapped
-from .snapshot.format import DTYPES, ParamRecord
+from gradstat.analysis.stats import counts
+from gradstat.core.predicates import gtp_pad_start
+from gradstat.snapshot import RankFile, Snapshot
+from gradstat.snapshot.container import mapped
+from gradstat.snapshot.format import DTYPES, ParamRecord
 
 __all__ = [
     "ROLES",

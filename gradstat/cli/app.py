@@ -51,16 +51,16 @@ import typer
 from rich.console import Console
 from typer.core import TyperGroup
 
-from ._version import __version__
-from .errors import GradstatError, NativeKernelWarning, StoppedTogether
+from gradstat._version import __version__
+from gradstat.errors import GradstatError, NativeKernelWarning, StoppedTogether
 
 if TYPE_CHECKING:
     from typer._click.exceptions import UsageError
 
-    from .analysis import SnapshotStats
-    from .render import ProgressBars
-    from .runner import Place, Progress
-    from .snapshot import Snapshot, SnapshotShare
+    from gradstat.analysis.stats import SnapshotStats
+    from gradstat.cli.render import ProgressBars
+    from gradstat.cli.runner import Place, Progress
+    from gradstat.snapshot import Snapshot, SnapshotShare
 else:
     # typer exports one click exception on every release, whether it vendors click (0.2x on)
     # or depends on it: BadParameter, whose base class is click's UsageError.
@@ -76,7 +76,7 @@ TORCHRUN = "torchrun --standalone --nproc-per-node N -m gradstat norm SNAPSHOT"
 
 def _say_error(message: str) -> None:
     """Print ``message`` as the one error line on stderr."""
-    from .render import visible
+    from gradstat.cli.render import visible
 
     typer.echo(f"gradstat: error: {visible(message)}", err=True)
 
@@ -95,7 +95,7 @@ def _one_line_warnings(show: Callable[..., None]) -> Callable[..., None]:
         if not issubclass(category, NativeKernelWarning):
             show(message, category, *where, **more)
         elif os.environ.get("LOCAL_RANK", "0") == "0":
-            from .render import visible
+            from gradstat.cli.render import visible
 
             typer.echo(f"gradstat: warning: {visible(str(message))}", err=True)
 
@@ -150,7 +150,7 @@ class _Session:
     def log_to_stderr(self, level: int) -> None:
         """Show the ``gradstat`` loggers' records from ``level`` up on stderr while this run
         lasts (:meth:`stop_logging`), each line naming the process under a launcher."""
-        from .launcher import launch_rank, launched
+        from gradstat.cli.launcher import launch_rank, launched
 
         handler = logging.StreamHandler(sys.stderr)
         process = f"[{launch_rank()}]" if launched() else ""
@@ -173,7 +173,7 @@ class _Session:
         """Whether this process prints: alone, or process 0 under a launcher."""
         if self.place is not None:
             return self.place.is_first
-        from .launcher import launch_rank
+        from gradstat.cli.launcher import launch_rank
 
         return launch_rank() == 0
 
@@ -192,8 +192,8 @@ class _Session:
         Progress bars are drawn on process 0 when stderr is an interactive terminal and the
         output is not JSON.
         """
-        from .render import ProgressBars
-        from .runner import agree, join
+        from gradstat.cli.render import ProgressBars
+        from gradstat.cli.runner import agree, join
 
         self.timeout_s, self.joining = timeout_s, True
         console = Console(stderr=True)
@@ -222,10 +222,10 @@ class _Session:
         together (they are waiting in the agreement): process 0 then says the first error.
         """
         if not stopped_together and not self.joining:
-            from .launcher import launched
+            from gradstat.cli.launcher import launched
 
             if launched():
-                from .runner import join, together
+                from gradstat.cli.runner import join, together
 
                 self.joining = True
                 try:
@@ -257,7 +257,7 @@ class _Session:
                     status = EXIT_BAD_INPUT
         finally:
             if self.place is not None:
-                from .runner import leave
+                from gradstat.cli.runner import leave
 
                 leave(self.place)
         return status
@@ -428,7 +428,7 @@ TimeoutOption = Annotated[
 
 
 def _parse_norm_type(text: str) -> float:
-    from .clip_grads import check_norm_type
+    from gradstat.clip_grads import check_norm_type
 
     try:
         value = math.inf if text.strip().lower() in ("inf", "infinity") else float(text)
@@ -452,8 +452,8 @@ def _statistics(
     Returns the snapshot (under torchrun, this process's share), its statistics, and whether
     this process prints (rank 0).
     """
-    from .analysis import Request, merge
-    from .runner import gather_pieces, open_shared, pick_device, together
+    from gradstat.analysis.stats import Request, merge
+    from gradstat.cli.runner import gather_pieces, open_shared, pick_device, together
 
     place = _session().join(timeout, [snapshot_dir], as_json)
     snapshot = open_shared(place, snapshot_dir)
@@ -550,8 +550,8 @@ def norm(
     p = _parse_norm_type(norm_type)
     if max_norm is not None and not (math.isfinite(max_norm) and max_norm > 0):
         raise GradstatError(f"--max-norm must be a positive number, got {max_norm}")
-    from .render import print_norm
-    from .report import norm_report
+    from gradstat.cli.render import print_norm
+    from gradstat.cli.report import norm_report
 
     snapshot, stats, prints = _statistics(snapshot_dir, (p,), False, device, timeout, as_json)
     if not prints:
@@ -576,8 +576,8 @@ def zeros(
 
     Exit status 1 when every gradient is zero (a snapshot dumped before the backward pass?).
     """
-    from .render import print_zeros
-    from .report import zeros_report
+    from gradstat.cli.render import print_zeros
+    from gradstat.cli.report import zeros_report
 
     snapshot, stats, prints = _statistics(snapshot_dir, (), True, device, timeout, as_json)
     if not prints:
@@ -621,13 +621,13 @@ def clip(
     p = _parse_norm_type(norm_type)
     if not (math.isfinite(max_norm) and max_norm > 0):
         raise GradstatError(f"--max-norm must be a positive number, got {max_norm}")
-    from .clip_grads import clip_coefficient
-    from .launcher import launch_rank
-    from .render import print_clip
-    from .report import ClipReport
-    from .runner import Progress
-    from .snapshot import Snapshot
-    from .snapshot.clip import check_output_dir, write_clipped
+    from gradstat.cli.launcher import launch_rank
+    from gradstat.cli.render import print_clip
+    from gradstat.cli.report import ClipReport
+    from gradstat.cli.runner import Progress
+    from gradstat.clip_grads import clip_coefficient
+    from gradstat.snapshot import Snapshot
+    from gradstat.snapshot.clip import check_output_dir, write_clipped
 
     if launch_rank() == 0:  # process 0 alone writes the copy, maybe on its own machine
         check_output_dir(snapshot_dir, out)
@@ -684,10 +684,10 @@ def compare(
     Norms, zeros and, where both sides can be rebuilt into full tensors, the largest
     elementwise difference. Exit status 1 when anything is flagged.
     """
-    from .compare import compare_snapshots
-    from .render import print_compare
-    from .runner import pick_device, together
-    from .snapshot import Snapshot
+    from gradstat.analysis.compare import compare_snapshots
+    from gradstat.cli.render import print_compare
+    from gradstat.cli.runner import pick_device, together
+    from gradstat.snapshot import Snapshot
 
     place = _session().join(timeout, [snapshot_a, snapshot_b], as_json)
     *snapshots, where = together(
@@ -718,10 +718,10 @@ def audit(
     the other way. Copies are equal when max |a - b| <= rtol * max |x| (default: bitwise).
     Exit status 1 when there is any finding.
     """
-    from .audit import audit_snapshot
-    from .render import print_audit
-    from .runner import pick_device, together
-    from .snapshot import Snapshot
+    from gradstat.analysis.audit import audit_snapshot
+    from gradstat.cli.render import print_audit
+    from gradstat.cli.runner import pick_device, together
+    from gradstat.snapshot import Snapshot
 
     place = _session().join(timeout, [snapshot_dir], as_json)
     snapshot, where = together(place, lambda: (Snapshot.open(snapshot_dir), pick_device(device)))
@@ -738,9 +738,9 @@ def inspect(
     snapshot_dir: SnapshotArg, as_json: JsonOption = False, status_file: StatusFileOption = None
 ) -> None:
     """What gradstat rebuilt: world size, axes, files, and each parameter's attributes."""
-    from .render import print_inspect
-    from .report import inspect_report
-    from .snapshot import Snapshot
+    from gradstat.cli.render import print_inspect
+    from gradstat.cli.report import inspect_report
+    from gradstat.snapshot import Snapshot
 
     report = inspect_report(Snapshot.open(snapshot_dir))
     _emit(as_json, report.to_json(), lambda console: print_inspect(console, report))
@@ -774,7 +774,7 @@ def history(
     Each snapshot is read once, in step order; hidden ones (.step-N.partial) are skipped. Exit
     status 1 when a parameter's norm went NaN or Inf.
     """
-    from .history import print_history, read_history
+    from gradstat.analysis.history import print_history, read_history
 
     p = _parse_norm_type(norm_type)
     if not (math.isfinite(factor) and factor > 1):

@@ -10,8 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import AttributeMismatchError
-from .groups import RankLike, group_rank, group_size, megatron_gtp_group, megatron_state
+from gradstat.core.groups import (
+    RankLike,
+    group_rank,
+    group_size,
+    megatron_gtp_group,
+    megatron_state,
+)
+from gradstat.errors import AttributeMismatchError
 
 __all__ = [
     "gtp_local_pad_zero_count",

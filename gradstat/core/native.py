@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from .errors import NativeKernelWarning
+from gradstat.errors import NativeKernelWarning
 
 __all__ = ["FusedStats", "fused", "fused_f32", "native_kernel", "native_library"]
 

@@ -4,7 +4,7 @@ A plain tensor of a rank file counts when the core's filters keep it for its own
 shared, not a TP/ETP or GTP/EGTP duplicate) and it is not a data-parallel replica: with a plain
 optimizer only data-parallel rank 0 (context-parallel rank 0 too; expert-data-parallel rank 0
 for expert params) counts, with the distributed optimizer every rank's fragments do. A DTensor
-gradient counts by its placements alone (:mod:`gradstat.placements`): Shard pieces all count,
+gradient counts by its placements alone (:mod:`gradstat.core.placements`): Shard pieces all count,
 Replicate copies and copies along the root mesh once; coordinates and the optimizer flag do not
 change that.
 """
@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import kernels, native
-from .clip_grads import check_norm_type, grads_for_norm
-from .errors import SnapshotError
-from .predicates import gtp_pad_zero_count, param_is_not_shared
-from .snapshot import RankFile, RebuiltParam, Snapshot, SnapshotShare
+from gradstat.clip_grads import check_norm_type, grads_for_norm
+from gradstat.core import kernels, native
+from gradstat.core.predicates import gtp_pad_zero_count, param_is_not_shared
+from gradstat.errors import SnapshotError
+from gradstat.snapshot import RankFile, RebuiltParam, Snapshot, SnapshotShare
 
 __all__ = [
     "NonFinite",

@@ -34,11 +34,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .analysis import Request, counts, merge, nan_max, relative_to
-from .report import SnapshotInfo, jsonable, snapshot_info
-from .runner import Place, gather_jobs, gather_pieces
-from .snapshot import RebuiltParam, Snapshot
-from .tiles import MappedFiles, Tile, box, chunks, snapshot_tiles
+from gradstat.analysis.stats import Request, counts, merge, nan_max, relative_to
+from gradstat.analysis.tiles import MappedFiles, Tile, box, chunks, snapshot_tiles
+from gradstat.cli.report import SnapshotInfo, jsonable, snapshot_info
+from gradstat.cli.runner import Place, gather_jobs, gather_pieces
+from gradstat.snapshot import RebuiltParam, Snapshot
 
 __all__ = ["KINDS", "AuditReport", "Finding", "audit_snapshot"]
 

@@ -11,9 +11,9 @@ from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .analysis import NonFinite, SnapshotStats
-    from .placements import MeshPlacement
-from .snapshot import Snapshot, SnapshotShare
+    from gradstat.analysis.stats import NonFinite, SnapshotStats
+    from gradstat.core.placements import MeshPlacement
+from gradstat.snapshot import Snapshot, SnapshotShare
 
 __all__ = [
     "ClipReport",
@@ -126,7 +126,7 @@ def norm_report(
     Args:
         top: keep the ``top`` largest parameters (non-finite first); None keeps every one.
     """
-    from .clip_grads import clip_coefficient  # torch is loaded by now: stats were computed
+    from gradstat.clip_grads import clip_coefficient  # torch is loaded by now: stats were computed
 
     total = stats.norm(norm_type)
     rows = [

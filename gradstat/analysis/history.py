@@ -24,11 +24,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .analysis import snapshot_stats
-from .errors import SnapshotError
-from .render import visible
-from .report import json_number
-from .snapshot.reader import Snapshot
+from gradstat.analysis.stats import snapshot_stats
+from gradstat.cli.render import visible
+from gradstat.cli.report import json_number
+from gradstat.errors import SnapshotError
+from gradstat.snapshot.reader import Snapshot
 
 __all__ = [
     "History",

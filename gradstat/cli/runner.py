@@ -35,12 +35,12 @@ import torch.distributed as dist
 # type checkers do not follow.
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
-from .analysis import NonFinite, Piece, Request, snapshot_pieces
-from .errors import GradstatError, StoppedTogether
-from .launcher import launch_rank, launched
-from .snapshot import RankFile, Snapshot, SnapshotShare
-from .snapshot.container import MAX_HEADER_BYTES
-from .snapshot.reader import FileSummary, open_rank_file, rank_file_names
+from gradstat.analysis.stats import NonFinite, Piece, Request, snapshot_pieces
+from gradstat.cli.launcher import launch_rank, launched
+from gradstat.errors import GradstatError, StoppedTogether
+from gradstat.snapshot import RankFile, Snapshot, SnapshotShare
+from gradstat.snapshot.container import MAX_HEADER_BYTES
+from gradstat.snapshot.reader import FileSummary, open_rank_file, rank_file_names
 
 T = TypeVar("T")
 

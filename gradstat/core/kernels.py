@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _triton, native
-from .errors import GradDtypeError
+from gradstat.core import _triton, native
+from gradstat.errors import GradDtypeError
 
 __all__ = [
     "SUPPORTED_DTYPES",
@@ -255,7 +255,7 @@ class CudaPlan:
         """:func:`_device_partials` of ``grads`` (the list the plan was made for), replayed.
 
         The graph reads contiguous fp32/bf16/fp16 gradients through Triton chunk tables (one
-        launch per dtype, see :mod:`gradstat._triton`) where Triton is present, the rest with
+        launch per dtype, see :mod:`gradstat.core._triton`) where Triton is present, the rest with
         PyTorch's multi-tensor kernel.
         """
         if self.failed or torch.cuda.is_current_stream_capturing():

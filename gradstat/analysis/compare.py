@@ -17,11 +17,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .analysis import ParamStats, Request, SnapshotStats, merge, nan_max, relative_to
-from .report import SnapshotInfo, jsonable, snapshot_info
-from .runner import Place, gather_jobs, gather_pieces
-from .snapshot import Snapshot
-from .tiles import MappedFiles, Tile, assemble, chunks, plan, segments, snapshot_tiles
+from gradstat.analysis.stats import ParamStats, Request, SnapshotStats, merge, nan_max, relative_to
+from gradstat.analysis.tiles import (
+    MappedFiles,
+    Tile,
+    assemble,
+    chunks,
+    plan,
+    segments,
+    snapshot_tiles,
+)
+from gradstat.cli.report import SnapshotInfo, jsonable, snapshot_info
+from gradstat.cli.runner import Place, gather_jobs, gather_pieces
+from gradstat.snapshot import Snapshot
 
 __all__ = ["CompareReport", "ParamDiff", "TotalDiff", "compare_snapshots", "rel_diff"]
 
