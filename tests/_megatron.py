@@ -18,11 +18,14 @@ Megatron's ``parallel_state`` gives each rank.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import math
+import textwrap
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +85,120 @@ def _use_cpu_clip_grads(module: types.ModuleType) -> None:
 
     for name in ("get_grad_norm_fp32", "count_zeros_fp32", "clip_grad_by_total_norm_fp32"):
         setattr(optimizer, name, getattr(module, name))
+
+
+@dataclass(frozen=True)
+class CudaSpot:
+    """A megatron-core function whose source names CUDA where a job on gloo CPU processes needs
+    the CPU; it is compiled again from that source with ``edits`` made, nothing else changed.
+
+    Attributes:
+        module: the module the function is defined in (its globals).
+        owner: the class in ``module`` that holds it, "" for a module-level function.
+        name: the function's name.
+        edits: ``(text, replacement, expected count)``; a count that differs fails loudly.
+        rebind: the module whose binding is replaced instead of ``module``'s, for a function
+            callers import from a re-export at call time; "" for ``module`` (or ``owner``).
+    """
+
+    module: str
+    owner: str
+    name: str
+    edits: tuple[tuple[str, str, int], ...]
+    rebind: str = ""
+
+
+# Megatron's CUDA-only spots on the path from GPTModel to the optimizer, the same text in
+# megatron-core 0.16.1 and 0.19.2:
+# - LanguageModule.setup_embeddings_and_output_layer moves the tied copy to ``.cuda()``;
+# - _ParamAndGradBuffer.__init__ allocates the param/grad buffers on the current CUDA device;
+# - MixedPrecisionOptimizer.__init__ and FP32Optimizer.__init__ make small flag tensors on
+#   ``'cuda'`` (the former's zero-argument ``super()`` names its class once recompiled);
+# - DistributedOptimizer._build_model_and_main_param_groups accepts fp32 parameters by the type
+#   name ``torch.cuda.FloatTensor``.
+# Megatron's norm and zero count run through its CPU-pointed clip_grads (megatron_clip_grads).
+MEGATRON_JOB_SPOTS = (
+    CudaSpot(
+        "megatron.core.models.common.language_module.language_module",
+        "LanguageModule",
+        "setup_embeddings_and_output_layer",
+        (("weight.data = weight.data.cuda()", "weight.data = weight.data", 1),),
+    ),
+    CudaSpot(
+        "megatron.core.distributed.param_and_grad_buffer",
+        "_ParamAndGradBuffer",
+        "__init__",
+        (("device=torch.cuda.current_device()", 'device="cpu"', 3),),
+    ),
+    CudaSpot(
+        "megatron.core.optimizer.optimizer",
+        "MixedPrecisionOptimizer",
+        "__init__",
+        (
+            ("device='cuda'", "device='cpu'", 3),
+            ("super().__init__(", "super(MixedPrecisionOptimizer, self).__init__(", 1),
+        ),
+    ),
+    CudaSpot(
+        "megatron.core.optimizer.optimizer",
+        "FP32Optimizer",
+        "__init__",
+        (("device='cuda'", "device='cpu'", 1),),
+    ),
+    CudaSpot(
+        "megatron.core.optimizer.distrib_optimizer",
+        "DistributedOptimizer",
+        "_build_model_and_main_param_groups",
+        (
+            (
+                "model_param.type() == 'torch.cuda.FloatTensor'",
+                "model_param.type() == 'torch.FloatTensor'",
+                1,
+            ),
+        ),
+    ),
+)
+
+_POINTED: set[tuple[str, str, str]] = set()
+
+
+def point_megatron_at_cpu(spots: Sequence[CudaSpot] = MEGATRON_JOB_SPOTS) -> int:
+    """Recompile each of ``spots`` from its installed source, pointed at the CPU (once per
+    process); returns how many functions were replaced by this call.
+
+    Raises:
+        AssertionError: a spot's text is not in its source as often as expected: megatron-core
+            changed and the workaround no longer applies (never silently skipped).
+    """
+    from importlib.metadata import version
+
+    replaced = 0
+    for spot in spots:
+        key = (spot.module, spot.owner, spot.name)
+        if key in _POINTED:
+            continue
+        module = importlib.import_module(spot.module)
+        holder = importlib.import_module(spot.rebind) if spot.rebind else module
+        owner = getattr(holder, spot.owner) if spot.owner else holder
+        raw = inspect.getattr_static(owner, spot.name)
+        function = raw.__func__ if isinstance(raw, classmethod) else raw
+        source = textwrap.dedent(inspect.getsource(function))
+        where = f"megatron-core {version('megatron-core')} {spot.module}.{spot.owner or ''}"
+        where = f"{where.rstrip('.')}.{spot.name}"
+        for text, replacement, count in spot.edits:
+            found = source.count(text)
+            if found != count:
+                raise AssertionError(
+                    f"{where}: expected {count} x {text!r}, found {found}: megatron-core changed "
+                    "and the CPU workaround of tests/_megatron.py no longer applies"
+                )
+            source = source.replace(text, replacement)
+        namespace = dict(vars(module))
+        exec(compile(source, inspect.getsourcefile(function) or where, "exec"), namespace)
+        setattr(owner, spot.name, namespace[spot.name])
+        _POINTED.add(key)
+        replaced += 1
+    return replaced
 
 
 def _stand_in_optimizer(params: list[Any], stats_group: Any, tp_group: Any) -> Any:

@@ -13,18 +13,16 @@ dumped without ``optimizer=``, a distributed-optimizer job must be refused, whil
 ``main_grad`` buffers, forced through as pairs, read as a wrong norm.
 
 megatron-core 0.16.1 runs on the CPU but for a few spots that allocate on CUDA or test for
-CUDA tensor types: :func:`_point_megatron_at_cpu` recompiles exactly those functions from their
-own source with the device strings pointed at the CPU, and fails when a spot is not where
-expected, so the workaround never silently stops applying.
+CUDA tensor types: tests/_megatron.py's ``point_megatron_at_cpu`` recompiles exactly those
+functions from their own source with the device strings pointed at the CPU, and fails when a
+spot is not where expected, so the workaround never silently stops applying.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import json
 import re
-import textwrap
 import warnings
 import zlib
 from dataclasses import dataclass
@@ -78,86 +76,14 @@ class Job:
 
 # --- Megatron on the CPU ----------------------------------------------------------------------
 
-_CPU_READY = False
-
-
-def _recompiled(owner: Any, name: str, edits: dict[str, tuple[str, int]], module: Any) -> None:
-    """``owner.name`` compiled again from its own source with ``edits`` ({text: (replacement,
-    expected count)}) in ``module``'s namespace."""
-    raw = inspect.getattr_static(owner, name)
-    function = raw.__func__ if isinstance(raw, classmethod) else raw
-    source = textwrap.dedent(inspect.getsource(function))
-    where = f"{owner.__name__}.{name}"
-    for text, (replacement, count) in edits.items():
-        found = source.count(text)
-        if found != count:
-            raise AssertionError(
-                f"{where}: expected {count} x {text!r}, found {found}: megatron-core changed "
-                "and the CPU workaround of tests/test_megatron_capture.py no longer applies"
-            )
-        source = source.replace(text, replacement)
-    namespace = dict(vars(module))
-    exec(compile(source, inspect.getsourcefile(function) or where, "exec"), namespace)
-    setattr(owner, name, namespace[name])
-
 
 def _point_megatron_at_cpu() -> None:
-    """megatron-core's CUDA-only spots on the path from GPTModel to the optimizer, on the CPU.
+    """megatron-core's CUDA-only spots on the path from GPTModel to the optimizer, on the CPU
+    (tests/_megatron.py's MEGATRON_JOB_SPOTS), and its clip_grads wired in pointed at the CPU."""
+    from tests._megatron import _use_cpu_clip_grads, megatron_clip_grads, point_megatron_at_cpu
 
-    - LanguageModule.setup_embeddings_and_output_layer moves the tied copy to ``.cuda()``;
-    - _ParamAndGradBuffer.__init__ allocates the param/grad buffers on the current CUDA device;
-    - MixedPrecisionOptimizer.__init__ and FP32Optimizer.__init__ make small flag tensors on
-      ``'cuda'`` (their zero-argument ``super()`` names its class once recompiled);
-    - DistributedOptimizer._build_model_and_main_param_groups accepts fp32 parameters by the
-      type name ``torch.cuda.FloatTensor``.
-    Megatron's norm and zero count run through tests/_megatron.py's CPU-pointed clip_grads.
-    """
-    global _CPU_READY
-    if _CPU_READY:
-        return
-    from megatron.core.distributed import param_and_grad_buffer
-    from megatron.core.models.common.language_module import language_module
-    from megatron.core.optimizer import distrib_optimizer, optimizer
-
-    from tests._megatron import _use_cpu_clip_grads, megatron_clip_grads
-
-    _recompiled(
-        language_module.LanguageModule,
-        "setup_embeddings_and_output_layer",
-        {"weight.data = weight.data.cuda()": ("weight.data = weight.data", 1)},
-        language_module,
-    )
-    _recompiled(
-        param_and_grad_buffer._ParamAndGradBuffer,
-        "__init__",
-        {"device=torch.cuda.current_device()": ('device="cpu"', 3)},
-        param_and_grad_buffer,
-    )
-    _recompiled(
-        optimizer.MixedPrecisionOptimizer,
-        "__init__",
-        {
-            "device='cuda'": ("device='cpu'", 3),
-            "super().__init__(": ("super(MixedPrecisionOptimizer, self).__init__(", 1),
-        },
-        optimizer,
-    )
-    _recompiled(
-        optimizer.FP32Optimizer, "__init__", {"device='cuda'": ("device='cpu'", 1)}, optimizer
-    )
-    _recompiled(
-        distrib_optimizer.DistributedOptimizer,
-        "_build_model_and_main_param_groups",
-        {
-            "model_param.type() == 'torch.cuda.FloatTensor'": (
-                "model_param.type() == 'torch.FloatTensor'",
-                1,
-            )
-        },
-        distrib_optimizer,
-    )
-    _use_cpu_clip_grads(megatron_clip_grads())
-    _CPU_READY = True
+    if point_megatron_at_cpu():
+        _use_cpu_clip_grads(megatron_clip_grads())
 
 
 # --- known gradients ----------------------------------------------------------------------------

@@ -12,7 +12,10 @@ the plain optimizer and the distributed optimizer, it compares:
 - count_zeros_fp32 (Megatron's optimizer count and gradstat's), against float64 of the
   unpadded gradients: where they differ, which one is right;
 - the coordinates dump_rank reads from parallel_state, and the CLI's numbers on the snapshots
-  each rank dumped.
+  each rank dumped;
+- then real Megatron jobs on 4 gloo processes (live_jobs.py): its GPTModel with GTP, MoE layers
+  with EGTP, its DDP and optimizer (plain and distributed), dumped by the README's recipes, the
+  CLI's numbers against float64 and Megatron's own.
 
 stdout is the report (what README.md quotes); progress goes to stderr. Exit status 0 when
 every check holds or differs for a reason the report states, 1 otherwise.
@@ -38,6 +41,7 @@ for _path in (str(_ROOT), str(_HERE)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
+import live_jobs  # noqa: E402
 import ranks  # noqa: E402
 
 from gradstat.testing import Case, launch  # noqa: E402
@@ -279,100 +283,141 @@ def _order_rows(report: Report, values_by_layout: dict[str, list[dict[str, Any]]
             report.lines.append(f"{name}: gradstat.testing places every rank as Megatron does")
 
 
+def _layout_sections(report: Report, layouts: list[Job], scratch: Path, mcore: Any) -> None:
+    """Megatron's optimizer code on stand-in optimizers beside gradstat, the snapshots dump_rank
+    wrote, the rank order and the empty lists, for ``layouts`` (8 ranks each)."""
+    cases = []
+    for index, layout in enumerate(layouts):
+        root = scratch / f"snapshots{index}"
+        cases.append(Case(layout.name, ranks.run_layout, (layout, str(root))))
+    _say(f"running {len(cases)} layouts on 8 gloo processes (megatron-core {mcore}) ...")
+    run_dir = scratch / "run"
+    run_dir.mkdir()
+    outcome = launch(8, run_dir, cases, timeout_s=3000, pg_timeout_s=300)
+    values = {layout.name: outcome.values(layout.name) for layout in layouts}
+    report.lines += [
+        "Stand-in optimizers, 8 gloo CPU processes per layout",
+        "optimizer: plain = whole shards; distopt = 1-D fragments carrying what Megatron's "
+        "DistributedOptimizer copies onto them (its own copy functions); distopt+stamp = the "
+        "same fragments stamped with gtp_pad_zeros, as Megatron-LM PR #6778 stamps them",
+        "",
+        "Norms: relative error against float64, worst rank (tensors: Megatron's optimizer "
+        "selection = gradstat's, given Megatron's groups and given none)",
+    ]
+    report.row(
+        "layout", "optimizer", "part", "tensors", "L2 mcore", "L2 gstat", "L1 mcore",
+        "L1 gstat", "inf", widths=NORM_WIDTHS,
+    )  # fmt: skip
+    oracles = {layout.name: _oracle(layout) for layout in layouts}
+    for layout in layouts:
+        _norm_rows(report, layout, values[layout.name], oracles[layout.name])
+    report.lines += [
+        "",
+        "Zero counts: Megatron's optimizer, gradstat given Megatron's groups, gradstat given "
+        "none, float64 of the unpadded gradients, GTP padding elements",
+    ]
+    report.row(
+        "layout", "optimizer", "part", "mcore", "gstat", "no-group", "float64", "padding",
+        "verdict", widths=ZERO_WIDTHS,
+    )  # fmt: skip
+    for layout in layouts:
+        _zero_rows(report, layout, values[layout.name], oracles[layout.name])
+    _say("reading the dumped snapshots back through the CLI ...")
+    report.lines += [
+        "",
+        "Capture: dump_rank in every rank, coordinates from parallel_state; the CLI on the "
+        "snapshot, whole model (relative error against float64; zeros: +padding counted)",
+    ]
+    report.row(
+        "layout", "optimizer", "coords", "norm 2", "norm 1", "inf", "zeros", "audit",
+        widths=CAPTURE_WIDTHS,
+    )  # fmt: skip
+    for index, layout in enumerate(layouts):
+        root = scratch / f"snapshots{index}"
+        _capture_rows(report, layout, values[layout.name], oracles[layout.name], root)
+    report.lines += ["", "Rank order (Megatron: experts etp-ep-egtp-edp-pp):"]
+    _order_rows(report, values)
+    empty = values[layouts[0].name][0]["empty"]
+    report.check(
+        all(empty[side][p] == 0.0 for side in ("megatron", "gradstat") for p in ranks.NORM_TYPES),
+        "empty gradient lists: a norm is not 0.0",
+    )
+    megatron_zeros, megatron_type = empty["megatron_zeros"]
+    zeros_types = {
+        value[kind]["dense"]["zeros_types"] for vals in values.values() for value in vals
+        for kind in ranks.KINDS
+    }  # fmt: skip
+    report.lines += [
+        "",
+        f"Empty lists: get_grad_norm_fp32 2/1/inf: Megatron {list(empty['megatron'].values())},"
+        f" gradstat {list(empty['gradstat'].values())}; count_zeros_fp32: Megatron "
+        f"{megatron_zeros!r} ({megatron_type}), gradstat {empty['gradstat_zeros']!r}",
+        "count_zeros_fp32 return types (Megatron, gradstat): "
+        + ", ".join(f"({a}, {b})" for a, b in sorted(zeros_types))
+        + ("" if all(a == b for a, b in zeros_types) else ": the types differ, values equal"),
+    ]
+
+
+def _live_section(report: Report, jobs: list[live_jobs.LiveJob], scratch: Path) -> None:
+    """Real Megatron jobs with GTP and EGTP, dumped by the README's recipes (live_jobs.py)."""
+    by_size: dict[int, list[live_jobs.LiveJob]] = {}
+    for job in jobs:
+        by_size.setdefault(job.world_size, []).append(job)
+    values: dict[live_jobs.LiveJob, list[dict[str, Any]]] = {}
+    root = scratch / "live"
+    for world_size, group in sorted(by_size.items()):
+        cases = [
+            Case(job.case, live_jobs.run_live_job, (job, str(root / job.folder))) for job in group
+        ]
+        _say(f"running {len(cases)} real Megatron jobs on {world_size} gloo processes ...")
+        run_dir = scratch / f"run-live-{world_size}"
+        run_dir.mkdir()
+        outcome = launch(world_size, run_dir, cases, timeout_s=3000, pg_timeout_s=300)
+        values |= {job: outcome.values(job.case) for job in group}
+    report.lines += [
+        "",
+        "Real Megatron jobs (megatron-core's GPTModel with GTP weight remat, MoE layers with "
+        "EGTP, its DDP, finalize_model_grads, get_megatron_optimizer), 4 gloo CPU processes; "
+        "the README's megatron and recorder recipes; the CLI on the snapshot against float64 "
+        "(relative error; zeros and elements without the GTP padding) and Megatron's optimizer",
+    ]
+    report.row(*live_jobs.LIVE_HEADER, widths=live_jobs.LIVE_WIDTHS)
+    for job in jobs:
+        live_jobs.live_rows(report, job, values[job], root / job.folder)
+
+
 def main(argv: list[str]) -> int:
-    """Run the layouts named in ``argv`` (all of them when none is named)."""
+    """Run the layouts and live jobs named in ``argv`` (all of them when none is named)."""
     started = time.monotonic()
     mcore = ranks.megatron_version()
-    unknown = set(argv) - {layout.name for layout in LAYOUTS}
+    known = [layout.name for layout in LAYOUTS]
+    known += list(dict.fromkeys(job.name for job in live_jobs.LIVE_JOBS))
+    unknown = set(argv) - set(known)
     if unknown:
-        _say(f"unknown layouts {sorted(unknown)}; known: {[layout.name for layout in LAYOUTS]}")
+        _say(f"unknown layouts {sorted(unknown)}; known: {known}")
         return 2
     layouts = [layout for layout in LAYOUTS if not argv or layout.name in argv]
+    jobs = [job for job in live_jobs.LIVE_JOBS if not argv or job.name in argv]
+    report = Report()
+    today = datetime.date.today().isoformat()
+    report.lines.append(
+        f"gradstat vs megatron-core {mcore} (torch {version('torch')}, Python "
+        f"{platform.python_version()}), gloo CPU processes, {today}"
+    )
     with tempfile.TemporaryDirectory(prefix="gradstat-parity-latest-") as scratch:
-        cases = []
-        for index, layout in enumerate(layouts):
-            root = Path(scratch) / f"snapshots{index}"
-            cases.append(Case(layout.name, ranks.run_layout, (layout, str(root))))
-        _say(f"running {len(cases)} layouts on 8 gloo processes (megatron-core {mcore}) ...")
-        run_dir = Path(scratch) / "run"
-        run_dir.mkdir()
-        outcome = launch(8, run_dir, cases, timeout_s=3000, pg_timeout_s=300)
-        values = {layout.name: outcome.values(layout.name) for layout in layouts}
-        report = Report()
-        today = datetime.date.today().isoformat()
-        report.lines += [
-            f"gradstat vs megatron-core {mcore} (torch {version('torch')}, Python "
-            f"{platform.python_version()}), 8 gloo CPU processes, {today}",
-            "optimizer: plain = whole shards; distopt = 1-D fragments carrying what Megatron's "
-            "DistributedOptimizer copies onto them (its own copy functions); distopt+stamp = the "
-            "same fragments stamped with gtp_pad_zeros, as Megatron-LM PR #6778 stamps them",
-            "",
-            "Norms: relative error against float64, worst rank (tensors: Megatron's optimizer "
-            "selection = gradstat's, given Megatron's groups and given none)",
-        ]
-        report.row(
-            "layout", "optimizer", "part", "tensors", "L2 mcore", "L2 gstat", "L1 mcore",
-            "L1 gstat", "inf", widths=NORM_WIDTHS,
-        )  # fmt: skip
-        oracles = {layout.name: _oracle(layout) for layout in layouts}
-        for layout in layouts:
-            _norm_rows(report, layout, values[layout.name], oracles[layout.name])
-        report.lines += [
-            "",
-            "Zero counts: Megatron's optimizer, gradstat given Megatron's groups, gradstat given "
-            "none, float64 of the unpadded gradients, GTP padding elements",
-        ]
-        report.row(
-            "layout", "optimizer", "part", "mcore", "gstat", "no-group", "float64", "padding",
-            "verdict", widths=ZERO_WIDTHS,
-        )  # fmt: skip
-        for layout in layouts:
-            _zero_rows(report, layout, values[layout.name], oracles[layout.name])
-        _say("reading the dumped snapshots back through the CLI ...")
-        report.lines += [
-            "",
-            "Capture: dump_rank in every rank, coordinates from parallel_state; the CLI on the "
-            "snapshot, whole model (relative error against float64; zeros: +padding counted)",
-        ]
-        report.row(
-            "layout", "optimizer", "coords", "norm 2", "norm 1", "inf", "zeros", "audit",
-            widths=CAPTURE_WIDTHS,
-        )  # fmt: skip
-        for index, layout in enumerate(layouts):
-            root = Path(scratch) / f"snapshots{index}"
-            _capture_rows(report, layout, values[layout.name], oracles[layout.name], root)
-        report.lines += ["", "Rank order (Megatron: experts etp-ep-egtp-edp-pp):"]
-        _order_rows(report, values)
-        empty = values[layouts[0].name][0]["empty"]
-        report.check(
-            all(
-                empty[side][p] == 0.0 for side in ("megatron", "gradstat") for p in ranks.NORM_TYPES
-            ),
-            "empty gradient lists: a norm is not 0.0",
-        )
-        megatron_zeros, megatron_type = empty["megatron_zeros"]
-        zeros_types = {
-            value[kind]["dense"]["zeros_types"] for vals in values.values() for value in vals
-            for kind in ranks.KINDS
-        }  # fmt: skip
-        report.lines += [
-            "",
-            f"Empty lists: get_grad_norm_fp32 2/1/inf: Megatron {list(empty['megatron'].values())},"
-            f" gradstat {list(empty['gradstat'].values())}; count_zeros_fp32: Megatron "
-            f"{megatron_zeros!r} ({megatron_type}), gradstat {empty['gradstat_zeros']!r}",
-            "count_zeros_fp32 return types (Megatron, gradstat): "
-            + ", ".join(f"({a}, {b})" for a, b in sorted(zeros_types))
-            + ("" if all(a == b for a, b in zeros_types) else ": the types differ, values equal"),
-            "",
-        ]
-        if report.failures:
-            report.lines.append(f"{len(report.failures)} of {report.checks} checks FAILED:")
-            report.lines += [f"  {failure}" for failure in report.failures]
-        else:
-            report.lines.append(f"all {report.checks} checks hold")
-        report.lines.append(f"({time.monotonic() - started:.0f} s)")
-        print("\n".join(report.lines))
-        return 1 if report.failures else 0
+        if layouts:
+            _layout_sections(report, layouts, Path(scratch), mcore)
+        if jobs:
+            _live_section(report, jobs, Path(scratch))
+    report.lines.append("")
+    if report.failures:
+        report.lines.append(f"{len(report.failures)} of {report.checks} checks FAILED:")
+        report.lines += [f"  {failure}" for failure in report.failures]
+    else:
+        report.lines.append(f"all {report.checks} checks hold")
+    report.lines.append(f"({time.monotonic() - started:.0f} s)")
+    print("\n".join(report.lines))
+    return 1 if report.failures else 0
 
 
 if __name__ == "__main__":
