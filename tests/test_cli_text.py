@@ -236,7 +236,7 @@ def _one_usage_line(result: subprocess.CompletedProcess[str]) -> str:
         (["norm"], "missing argument 'snapshot_dir'; see 'PROG norm --help'"),
         (["norm", SAMPLE, "--bogus"], "no such option: --bogus; see 'PROG norm --help'"),
         (["frobnicate", SAMPLE], "no such command 'frobnicate'; see 'PROG --help'"),
-        (["--bogus"], "no such option: --bogus; see 'PROG --help'"),
+        (["--bogus"], "no such option: --bogus (Possible options: --verbose); see 'PROG --help'"),
         (["clip", SAMPLE, "--out", "x"], "missing option '--max-norm'; see 'PROG clip --help'"),
         (
             ["audit", SAMPLE, "--rtol", "inf"],
