@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from gradstat.analysis.audit import audit_snapshot
 from gradstat.analysis.stats import snapshot_stats
-from gradstat.cli.runner import Place
+from gradstat.distributed.runner import Processes
 from gradstat.snapshot import Snapshot
 from gradstat.testing import (
     Layout,
@@ -465,7 +465,7 @@ def generate(out: Path, force: bool = False) -> int:
         problems.append(f"{NAN}: L2 {figures.norms[2.0]}, non-finite parameters {sorted(broken)}")
     figures, _ = snapshot_figures(directories[BUGS])
     print(_row(BUGS, figures, None))
-    report = audit_snapshot(Snapshot.open(directories[BUGS]), Place(0, 1))
+    report = audit_snapshot(Snapshot.open(directories[BUGS]), Processes(0, 1))
     kinds = [finding.kind for finding in report.findings]
     if sorted(kinds) != sorted(BUG_KINDS):
         problems.append(f"{BUGS}: gradstat audit found {kinds}, expected {BUG_KINDS}")

@@ -252,10 +252,10 @@ def test_status_file_keeps_gradstats_status_under_torchrun(
 # The run dies halfway (as a killed process would): no status at all, not the last run's.
 DIES_WHILE_READING = """
 import os, sys
-import gradstat.cli.runner
+import gradstat.distributed.runner
 from gradstat.cli import main
 
-gradstat.cli.runner.gather_pieces = lambda *args, **kwargs: os._exit(9)
+gradstat.distributed.runner.gather_pieces = lambda *args, **kwargs: os._exit(9)
 sys.argv = ["gradstat", *sys.argv[1:]]
 main()
 """

@@ -177,7 +177,7 @@ FAULTY = """
 import os, signal, sys, time, warnings
 from pathlib import Path
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-from gradstat.cli import runner
+from gradstat.distributed import runner
 from gradstat.errors import GradstatError
 
 where, how, folder = sys.argv[1], sys.argv[2], Path(sys.argv[3])
@@ -201,13 +201,13 @@ def faulty_gather(*args):
 
 runner._all_gather_bytes = faulty_gather
 try:
-    with runner.process_group(3.0) as place:
+    with runner.process_group(3.0) as processes:
         for round_ in range(2):
             def work(job):
                 if rank == 1 and where == "while working" and round_ == 1:
                     fault()
                 return job
-            runner.gather_jobs(place, list(range(4)), work)
+            runner.gather_jobs(processes, list(range(4)), work)
 except GradstatError as error:
     print(f"gradstat: error: {error}", file=sys.stderr)
     sys.exit(2)

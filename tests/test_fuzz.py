@@ -27,7 +27,7 @@ import torch
 from gradstat.analysis.audit import audit_snapshot
 from gradstat.analysis.compare import compare_snapshots
 from gradstat.analysis.stats import snapshot_stats
-from gradstat.cli.runner import Place
+from gradstat.distributed.runner import Processes
 from gradstat.errors import GradstatError
 from gradstat.snapshot import Snapshot, save_rank
 
@@ -160,8 +160,8 @@ def campaign(workdir: Path, mutants: int, seed: int = SEED) -> dict[str, int]:
                 assert not cut, "a snapshot truncated after validation gave a result"
                 assert stats.zeros >= 0 and stats.numel >= 0
                 # What survives validation must survive the diagnostics too.
-                audit_snapshot(snapshot, Place(0, 1))
-                compare_snapshots(Snapshot.open(good), snapshot, Place(0, 1))
+                audit_snapshot(snapshot, Processes(0, 1))
+                compare_snapshots(Snapshot.open(good), snapshot, Processes(0, 1))
                 outcome["result"] += 1
             except GradstatError:
                 outcome["error"] += 1

@@ -277,9 +277,9 @@ def test_bugs_snapshot_holds_the_three_planted_bugs(
 ) -> None:
     """gradstat audit finds each bug; the norms it gives come from float64 sums of squares."""
     from gradstat.analysis.audit import audit_snapshot
-    from gradstat.cli.runner import Place
+    from gradstat.distributed.runner import Processes
 
-    report = audit_snapshot(Snapshot.open(generated / sample.BUGS), Place(0, 1))
+    report = audit_snapshot(Snapshot.open(generated / sample.BUGS), Processes(0, 1))
     found = {finding.kind: finding for finding in report.findings}
     assert sorted(found) == sorted(sample.BUG_KINDS)
 

@@ -14,13 +14,13 @@ from safetensors import safe_open
 
 import gradstat
 from gradstat.analysis.stats import snapshot_stats
+from gradstat.core.axes import AXES
 from gradstat.core.groups import AxisPlace
 from gradstat.core.placements import MeshPlacement
 from gradstat.errors import SnapshotError
 from gradstat.snapshot import Snapshot, save_rank
 from gradstat.snapshot.format import (
     ATTRIBUTE_KINDS,
-    AXES,
     DTYPES,
     FORMAT_VERSION,
     GRAD_ATTRS,

@@ -37,7 +37,7 @@ from torch import Tensor
 from gradstat.analysis.stats import Request, counts, merge, nan_max, relative_to
 from gradstat.analysis.tiles import MappedFiles, Tile, box, chunks, snapshot_tiles
 from gradstat.cli.report import SnapshotInfo, jsonable, snapshot_info
-from gradstat.cli.runner import Place, gather_jobs, gather_pieces
+from gradstat.distributed.runner import Processes, gather_jobs, gather_pieces
 from gradstat.snapshot import RebuiltParam, Snapshot
 
 __all__ = ["KINDS", "AuditReport", "Finding", "audit_snapshot"]
@@ -230,7 +230,7 @@ def _replica_pairs(tiles: Sequence[Tile], roles: tuple[str, ...]) -> list[tuple[
         groups[tile.site(*roles)].append(tile)
     pairs = []
     for group in groups.values():
-        ref = min(group, key=lambda tile: tuple(tile.place(role)[0] for role in roles))
+        ref = min(group, key=lambda tile: tuple(tile.role_place(role)[0] for role in roles))
         pairs += [(ref, other) for other in group if other is not ref]
     return pairs
 
@@ -269,7 +269,7 @@ def _data_parallel_findings(
     by_cp: list[tuple[Tile, Tile]] = []
     by_dp: list[tuple[Tile, Tile]] = []
     for ref, other in _replica_pairs(tiles, ("dp", "cp")):
-        same_dp = other.place("dp")[0] == ref.place("dp")[0]
+        same_dp = other.role_place("dp")[0] == ref.role_place("dp")[0]
         (by_cp if same_dp else by_dp).append((ref, other))
     dp_what = "plain optimizer, yet its data-parallel replicas differ"
     cp_what = "plain optimizer, yet its context-parallel replicas differ"
@@ -331,7 +331,7 @@ def _identical_shards(
     name: str, tiles: Sequence[Tile], files: MappedFiles, same_buffer: bool
 ) -> list[dict[str, Any]]:
     """A tensor-parallel parameter whose TP shards are all bitwise equal (and not all zero)."""
-    tp_size = tiles[0].place("tp")[1]
+    tp_size = tiles[0].role_place("tp")[1]
     pairs = _replica_pairs(tiles, ("tp",))
     groups = {tile.site("tp") for tile in tiles}
     if tp_size < 2 or len(pairs) != len(groups) * (tp_size - 1):
@@ -396,7 +396,7 @@ def _audit_param(tiles: Sequence[Tile], distributed_optimizer: bool, rtol: float
             what = "a copy by its placements (Replicate, or outside a TP plan), yet copies differ"
             pairs = _dtensor_copy_pairs(tiles)
             return _copies_differ("replicas_differ", what, pairs, files, rtol, True)
-        tp, gtp = first.place("tp")[1], first.place("gtp")[1]
+        tp, gtp = first.role_place("tp")[1], first.role_place("gtp")[1]
         if not first.tp_sharded and tp > 1:
             what = f"not tensor-parallel, yet its {_axis_label(first, 'tp')} copies differ"
             pairs = _replica_pairs(tiles, ("tp",))
@@ -421,7 +421,7 @@ def _tied_jobs(tiles: dict[str, list[Tile]]) -> list[tuple[str, str, str]]:
     copies = [name for name in tied if tiles[name][0].record.attr("shared")]
 
     def stage(name: str) -> int:
-        return tiles[name][0].place("pp")[0]
+        return tiles[name][0].role_place("pp")[0]
 
     def shape(name: str) -> tuple[int, ...] | None:
         return tiles[name][0].local_shape
@@ -459,18 +459,18 @@ def _audit_tied(
 
 
 def audit_snapshot(
-    snapshot: Snapshot, place: Place, rtol: float = 0.0, device: torch.device | str = "cpu"
+    snapshot: Snapshot, processes: Processes, rtol: float = 0.0, device: torch.device | str = "cpu"
 ) -> AuditReport:
     """Every check on every parameter, in this process or split over torchrun's by parameter.
 
     Args:
         snapshot: an opened (validated) snapshot.
-        place: this process among torchrun's (or alone).
+        processes: this process among torchrun's (or alone).
         rtol: copies count as equal when max |a - b| <= rtol * max |x| (0: bitwise equal).
         device: where the global norm is reduced.
     """
     request = Request.make((2.0,), False, device)
-    stats = merge(gather_pieces(snapshot, request, place), request)
+    stats = merge(gather_pieces(snapshot, request, processes), request)
     total = stats.norm(2.0)
     tiles = snapshot_tiles(snapshot)
     distributed = snapshot.distributed_optimizer
@@ -483,7 +483,7 @@ def audit_snapshot(
         return _audit_tied(job[0], tiles[job[1]], tiles[job[2]], rtol)
 
     findings = [
-        _finding(raw, total) for results in gather_jobs(place, jobs, work) for raw in results
+        _finding(raw, total) for results in gather_jobs(processes, jobs, work) for raw in results
     ]
     return AuditReport(
         snapshot=snapshot_info(snapshot),

@@ -28,7 +28,7 @@ from gradstat.analysis.tiles import (
     snapshot_tiles,
 )
 from gradstat.cli.report import SnapshotInfo, jsonable, snapshot_info
-from gradstat.cli.runner import Place, gather_jobs, gather_pieces
+from gradstat.distributed.runner import Processes, gather_jobs, gather_pieces
 from gradstat.snapshot import Snapshot
 
 __all__ = ["CompareReport", "ParamDiff", "TotalDiff", "compare_snapshots", "rel_diff"]
@@ -230,7 +230,7 @@ def _param_diff(
 def compare_snapshots(
     snapshot_a: Snapshot,
     snapshot_b: Snapshot,
-    place: Place,
+    processes: Processes,
     rtol: float = DEFAULT_RTOL,
     device: torch.device | str = "cpu",
 ) -> CompareReport:
@@ -242,19 +242,19 @@ def compare_snapshots(
     Args:
         snapshot_a: the first snapshot (its parameter order is the report's).
         snapshot_b: the second snapshot.
-        place: this process among torchrun's (or alone).
+        processes: this process among torchrun's (or alone).
         rtol: relative tolerance for norms and for elementwise differences.
         device: where norms and zeros are reduced.
     """
     request = Request.make((2.0,), True, device)
-    stats_a = merge(gather_pieces(snapshot_a, request, place, stage="reading A"), request)
-    stats_b = merge(gather_pieces(snapshot_b, request, place, stage="reading B"), request)
+    stats_a = merge(gather_pieces(snapshot_a, request, processes, stage="reading A"), request)
+    stats_b = merge(gather_pieces(snapshot_b, request, processes, stage="reading B"), request)
     by_name = ({p.name: p for p in stats_a.params}, {p.name: p for p in stats_b.params})
     names = list(by_name[0]) + [name for name in by_name[1] if name not in by_name[0]]
     tiles_a, tiles_b = snapshot_tiles(snapshot_a), snapshot_tiles(snapshot_b)
     common = [name for name in names if name in by_name[0] and name in by_name[1]]
     found = gather_jobs(
-        place,
+        processes,
         common,
         lambda name: _elementwise(tiles_a[name], tiles_b[name]),
         stage="comparing",

@@ -144,10 +144,10 @@ def counts(rank_file: RankFile, param: RebuiltParam) -> bool:
         return True
     kept = grads_for_norm(
         [param],
-        tp_group=rank_file.place("tp"),
-        expert_tp_group=rank_file.place("etp"),
-        gtp_group=rank_file.place("gtp"),
-        expert_gtp_group=rank_file.place("egtp"),
+        tp_group=rank_file.axis_place("tp"),
+        expert_tp_group=rank_file.axis_place("etp"),
+        gtp_group=rank_file.axis_place("gtp"),
+        expert_gtp_group=rank_file.axis_place("egtp"),
     )
     if not kept:
         return False

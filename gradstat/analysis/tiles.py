@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from gradstat.analysis.stats import counts
+from gradstat.core.axes import Axis
 from gradstat.core.predicates import gtp_pad_start
 from gradstat.snapshot import RankFile, Snapshot
 from gradstat.snapshot.container import mapped
@@ -45,8 +46,13 @@ __all__ = [
 
 # The roles of the parallel axes for a parameter, in the order a tile's site lists them.
 ROLES = ("pp", "ep", "tp", "gtp", "dp", "cp")
-_DENSE_AXES = {"pp": "pp", "ep": None, "tp": "tp", "gtp": "gtp", "dp": "dp", "cp": "cp"}
-_EXPERT_AXES = {"pp": "pp", "ep": "ep", "tp": "etp", "gtp": "egtp", "dp": "edp", "cp": None}
+# The axis playing each role for a dense and for an expert parameter (None: no axis does).
+_DENSE_ROLES = {
+    "pp": Axis.pp, "ep": None, "tp": Axis.tp, "gtp": Axis.gtp, "dp": Axis.dp, "cp": Axis.cp
+}  # fmt: skip
+_EXPERT_ROLES = {
+    "pp": Axis.pp, "ep": Axis.ep, "tp": Axis.etp, "gtp": Axis.egtp, "dp": Axis.edp, "cp": None
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -65,11 +71,11 @@ class Tile:
     def rank(self) -> int:
         return self.rank_file.rank
 
-    def axis(self, role: str) -> str | None:
+    def axis(self, role: str) -> Axis | None:
         """The axis playing ``role`` (tp, gtp, dp, ...) for this parameter: etp for experts."""
-        return (_EXPERT_AXES if self.record.is_expert else _DENSE_AXES)[role]
+        return (_EXPERT_ROLES if self.record.is_expert else _DENSE_ROLES)[role]
 
-    def place(self, role: str) -> tuple[int, int]:
+    def role_place(self, role: str) -> tuple[int, int]:
         """(rank, size) on the axis playing ``role``; (0, 1) where no axis does."""
         axis = self.axis(role)
         if role == "gtp" and self.record.attr("gtp_group") is not None:
@@ -80,7 +86,7 @@ class Tile:
     def site(self, *skip: str) -> tuple[int, ...]:
         """Coordinates on every role but ``skip``: tiles with equal sites are copies of each
         other along the skipped roles."""
-        return tuple(self.place(role)[0] for role in ROLES if role not in skip)
+        return tuple(self.role_place(role)[0] for role in ROLES if role not in skip)
 
     @property
     def tp_sharded(self) -> bool:
@@ -117,7 +123,7 @@ class Tile:
         if not self.gtp_sharded or not pad_length or not shape:
             return None
         rows, row_numel = shape[0], math.prod(shape[1:])
-        start = gtp_pad_start(rows, row_numel, pad_length, *self.place("gtp"))
+        start = gtp_pad_start(rows, row_numel, pad_length, *self.role_place("gtp"))
         end = rows * row_numel
         return (start, end) if start < end else None
 
@@ -243,13 +249,13 @@ def plan(name: str, tiles: Sequence[Tile]) -> Plan | BoxPlan | str:
             return f"its shape differs between rank {first.rank} and rank {tile.rank}"
     local_shape = first.local_shape
     assert local_shape is not None  # a known start comes with a known shape
-    tp_size = first.place("tp")[1] if first.tp_sharded else 1
+    tp_size = first.role_place("tp")[1] if first.tp_sharded else 1
     partition_dim = int(first.record.attr("partition_dim"))
     if tp_size > 1 and not 0 <= partition_dim < len(local_shape):
         return f"partition_dim {partition_dim} is outside its {len(local_shape)} dimensions"
     if first.record.attr("partition_stride") != 1 and tp_size > 1:
         return "strided TP partitions are not placed"
-    gtp_size = first.place("gtp")[1] if first.gtp_sharded else 1
+    gtp_size = first.role_place("gtp")[1] if first.gtp_sharded else 1
     pad_length = int(first.record.attr("pad_length") or 0) if first.gtp_sharded else 0
     if (gtp_size > 1 or pad_length) and not local_shape:
         return "a 0-dim GTP shard has no rows"
@@ -281,7 +287,8 @@ def plan(name: str, tiles: Sequence[Tile]) -> Plan | BoxPlan | str:
 
 def _shard(tile: Tile, tp_size: int, gtp_size: int) -> tuple[int, int]:
     """Which TP/GTP-local tensor the tile belongs to: (TP rank, GTP rank), 0 where unsplit."""
-    return (tile.place("tp")[0] if tp_size > 1 else 0, tile.place("gtp")[0] if gtp_size > 1 else 0)
+    tp_rank = tile.role_place("tp")[0] if tp_size > 1 else 0
+    return tp_rank, tile.role_place("gtp")[0] if gtp_size > 1 else 0
 
 
 class MappedFiles:

@@ -1,5 +1,4 @@
-"""The ``gradstat`` command line: the commands (app), what they print (render, report), and
-how they run in one process or many (runner, launcher)."""
+"""The ``gradstat`` command line: the commands (app) and what they print (report, render)."""
 
 from gradstat.cli.app import app, main
 

@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 
     from gradstat.analysis.stats import SnapshotStats
     from gradstat.cli.render import ProgressBars
-    from gradstat.cli.runner import Place, Progress
+    from gradstat.distributed.runner import Processes, Progress
     from gradstat.snapshot import Snapshot, SnapshotShare
 else:
     # typer exports one click exception on every release, whether it vendors click (0.2x on)
@@ -139,7 +139,7 @@ class _Session:
 
     def __init__(self, arguments: Sequence[str]) -> None:
         self.arguments = list(arguments)
-        self.place: Place | None = None
+        self.processes: Processes | None = None
         self.joining = False  # set once this process tried to join the others
         self.timeout_s = 30.0
         self.bars: ProgressBars | None = None
@@ -150,7 +150,7 @@ class _Session:
     def log_to_stderr(self, level: int) -> None:
         """Show the ``gradstat`` loggers' records from ``level`` up on stderr while this run
         lasts (:meth:`stop_logging`), each line naming the process under a launcher."""
-        from gradstat.cli.launcher import launch_rank, launched
+        from gradstat.distributed.launcher import launch_rank, launched
 
         handler = logging.StreamHandler(sys.stderr)
         process = f"[{launch_rank()}]" if launched() else ""
@@ -171,9 +171,9 @@ class _Session:
 
     def speaks(self) -> bool:
         """Whether this process prints: alone, or process 0 under a launcher."""
-        if self.place is not None:
-            return self.place.is_first
-        from gradstat.cli.launcher import launch_rank
+        if self.processes is not None:
+            return self.processes.is_first
+        from gradstat.distributed.launcher import launch_rank
 
         return launch_rank() == 0
 
@@ -186,26 +186,28 @@ class _Session:
         if self.status_file is not None and self.speaks():
             Path(self.status_file).unlink(missing_ok=True)
 
-    def join(self, timeout_s: float, snapshot_dirs: Sequence[Path], as_json: bool = False) -> Place:
+    def join(
+        self, timeout_s: float, snapshot_dirs: Sequence[Path], as_json: bool = False
+    ) -> Processes:
         """Join the launcher's processes (or stay alone) and agree with them on the command.
 
         Progress bars are drawn on process 0 when stderr is an interactive terminal and the
         output is not JSON.
         """
         from gradstat.cli.render import ProgressBars
-        from gradstat.cli.runner import agree, join
+        from gradstat.distributed.runner import agree, join
 
         self.timeout_s, self.joining = timeout_s, True
         console = Console(stderr=True)
         if not as_json and console.is_interactive:
             self.bars = ProgressBars(console)
-        self.place = join(timeout_s, self.bars)
-        if self.place.size > 1:
+        self.processes = join(timeout_s, self.bars)
+        if self.processes.size > 1:
             where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-            rank, size = self.place.rank, self.place.size
+            rank, size = self.processes.rank, self.processes.size
             _log.info("process %d of %d: joined the gloo group at %s", rank, size, where)
-        agree(self.place, self.arguments, snapshot_dirs)
-        return self.place
+        agree(self.processes, self.arguments, snapshot_dirs)
+        return self.processes
 
     def report(self, progress: Progress) -> None:
         if self.bars is not None:
@@ -222,15 +224,15 @@ class _Session:
         together (they are waiting in the agreement): process 0 then says the first error.
         """
         if not stopped_together and not self.joining:
-            from gradstat.cli.launcher import launched
+            from gradstat.distributed.launcher import launched
 
             if launched():
-                from gradstat.cli.runner import join, together
+                from gradstat.distributed.runner import join, together
 
                 self.joining = True
                 try:
-                    self.place = join(self.timeout_s)
-                    together(self.place, lambda: _raise(GradstatError(message)))
+                    self.processes = join(self.timeout_s)
+                    together(self.processes, lambda: _raise(GradstatError(message)))
                 except StoppedTogether as stopped:
                     if stopped.quiet:
                         return EXIT_BAD_INPUT
@@ -256,10 +258,10 @@ class _Session:
                     _say_error(f"{self.status_file}: cannot write the exit status ({error})")
                     status = EXIT_BAD_INPUT
         finally:
-            if self.place is not None:
-                from gradstat.cli.runner import leave
+            if self.processes is not None:
+                from gradstat.distributed.runner import leave
 
-                leave(self.place)
+                leave(self.processes)
         return status
 
 
@@ -453,13 +455,13 @@ def _statistics(
     this process prints (rank 0).
     """
     from gradstat.analysis.stats import Request, merge
-    from gradstat.cli.runner import gather_pieces, open_shared, pick_device, together
+    from gradstat.distributed.runner import gather_pieces, open_shared, pick_device, together
 
-    place = _session().join(timeout, [snapshot_dir], as_json)
-    snapshot = open_shared(place, snapshot_dir)
-    request = Request.make(norm_types, zeros, together(place, lambda: pick_device(device)))
-    pieces = gather_pieces(snapshot, request, place)
-    return snapshot, merge(pieces, request), place.is_first
+    processes = _session().join(timeout, [snapshot_dir], as_json)
+    snapshot = open_shared(processes, snapshot_dir)
+    request = Request.make(norm_types, zeros, together(processes, lambda: pick_device(device)))
+    pieces = gather_pieces(snapshot, request, processes)
+    return snapshot, merge(pieces, request), processes.is_first
 
 
 def _refuse_overflow(snapshot_dir: Path, stats: SnapshotStats, p: float, shown: str) -> None:
@@ -621,11 +623,11 @@ def clip(
     p = _parse_norm_type(norm_type)
     if not (math.isfinite(max_norm) and max_norm > 0):
         raise GradstatError(f"--max-norm must be a positive number, got {max_norm}")
-    from gradstat.cli.launcher import launch_rank
     from gradstat.cli.render import print_clip
     from gradstat.cli.report import ClipReport
-    from gradstat.cli.runner import Progress
     from gradstat.clip_grads import clip_coefficient
+    from gradstat.distributed.launcher import launch_rank
+    from gradstat.distributed.runner import Progress
     from gradstat.snapshot import Snapshot
     from gradstat.snapshot.clip import check_output_dir, write_clipped
 
@@ -686,15 +688,16 @@ def compare(
     """
     from gradstat.analysis.compare import compare_snapshots
     from gradstat.cli.render import print_compare
-    from gradstat.cli.runner import pick_device, together
+    from gradstat.distributed.runner import pick_device, together
     from gradstat.snapshot import Snapshot
 
-    place = _session().join(timeout, [snapshot_a, snapshot_b], as_json)
+    processes = _session().join(timeout, [snapshot_a, snapshot_b], as_json)
     *snapshots, where = together(
-        place, lambda: (Snapshot.open(snapshot_a), Snapshot.open(snapshot_b), pick_device(device))
+        processes,
+        lambda: (Snapshot.open(snapshot_a), Snapshot.open(snapshot_b), pick_device(device)),
     )
-    report = compare_snapshots(snapshots[0], snapshots[1], place, rtol, where)
-    if not place.is_first:
+    report = compare_snapshots(snapshots[0], snapshots[1], processes, rtol, where)
+    if not processes.is_first:
         return
     _emit(as_json, report.to_json(), lambda console: print_compare(console, report, show_all))
     if report.flagged:
@@ -720,13 +723,15 @@ def audit(
     """
     from gradstat.analysis.audit import audit_snapshot
     from gradstat.cli.render import print_audit
-    from gradstat.cli.runner import pick_device, together
+    from gradstat.distributed.runner import pick_device, together
     from gradstat.snapshot import Snapshot
 
-    place = _session().join(timeout, [snapshot_dir], as_json)
-    snapshot, where = together(place, lambda: (Snapshot.open(snapshot_dir), pick_device(device)))
-    report = audit_snapshot(snapshot, place, rtol, where)
-    if not place.is_first:
+    processes = _session().join(timeout, [snapshot_dir], as_json)
+    snapshot, where = together(
+        processes, lambda: (Snapshot.open(snapshot_dir), pick_device(device))
+    )
+    report = audit_snapshot(snapshot, processes, rtol, where)
+    if not processes.is_first:
         return
     _emit(as_json, report.to_json(), lambda console: print_audit(console, report))
     if report.findings:

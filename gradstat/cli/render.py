@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from gradstat.analysis.audit import AuditReport
     from gradstat.analysis.compare import CompareReport
     from gradstat.cli.report import ClipReport, InspectReport, NormReport, SnapshotInfo, ZerosReport
-    from gradstat.cli.runner import Progress
+    from gradstat.distributed.runner import Progress
 
 __all__ = [
     "ProgressBars",
@@ -293,8 +293,8 @@ def print_audit(console: Console, report: AuditReport) -> None:
 class ProgressBars:
     """How far a command is, as rich progress bars on ``console`` (stderr), one per stage.
 
-    Called with each :class:`~gradstat.cli.runner.Progress`; the bars appear with the first one,
-    count units and bytes, and vanish at :meth:`stop`, before any result is printed.
+    Called with each :class:`~gradstat.distributed.runner.Progress`; the bars appear with the
+    first one, count units and bytes, and vanish at :meth:`stop`, before any result is printed.
     """
 
     def __init__(self, console: Console) -> None:

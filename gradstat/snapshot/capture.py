@@ -18,10 +18,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradstat.core.axes import AXES, Axis
 from gradstat.core.groups import megatron_gtp_group, megatron_state
 from gradstat.core.predicates import gtp_local_pad_zero_count
 from gradstat.errors import SnapshotError
-from gradstat.snapshot.format import AXES, PLAIN_ATTRS
+from gradstat.snapshot.format import PLAIN_ATTRS
 from gradstat.snapshot.writer import save_rank
 
 __all__ = [
@@ -39,13 +40,13 @@ _DP_MESH_NAMES = ("dp_replicate", "dp", "dp_shard", "dp_shard_cp")
 
 # (axis, parallel_state rank getter, size getter); the data-parallel ones without CP.
 _MEGATRON_GETTERS = (
-    ("tp", "get_tensor_model_parallel_rank", "get_tensor_model_parallel_world_size"),
-    ("pp", "get_pipeline_model_parallel_rank", "get_pipeline_model_parallel_world_size"),
-    ("dp", "get_data_parallel_rank", "get_data_parallel_world_size"),
-    ("cp", "get_context_parallel_rank", "get_context_parallel_world_size"),
-    ("ep", "get_expert_model_parallel_rank", "get_expert_model_parallel_world_size"),
-    ("etp", "get_expert_tensor_parallel_rank", "get_expert_tensor_parallel_world_size"),
-    ("edp", "get_expert_data_parallel_rank", "get_expert_data_parallel_world_size"),
+    (Axis.tp, "get_tensor_model_parallel_rank", "get_tensor_model_parallel_world_size"),
+    (Axis.pp, "get_pipeline_model_parallel_rank", "get_pipeline_model_parallel_world_size"),
+    (Axis.dp, "get_data_parallel_rank", "get_data_parallel_world_size"),
+    (Axis.cp, "get_context_parallel_rank", "get_context_parallel_world_size"),
+    (Axis.ep, "get_expert_model_parallel_rank", "get_expert_model_parallel_world_size"),
+    (Axis.etp, "get_expert_tensor_parallel_rank", "get_expert_tensor_parallel_world_size"),
+    (Axis.edp, "get_expert_data_parallel_rank", "get_expert_data_parallel_world_size"),
 )
 
 
@@ -72,19 +73,19 @@ def coords_from_megatron() -> dict[str, list[int]] | None:
     state = megatron_state()
     if state is None:
         return None
-    coords = {}
+    coords: dict[str, list[int]] = {}
     for axis, rank_getter, size_getter in _MEGATRON_GETTERS:
         rank_fn, size_fn = getattr(state, rank_getter, None), getattr(state, size_getter, None)
         if rank_fn is None or size_fn is None:
             continue
         options = {"with_gtp_remat": False}
-        if axis == "dp":
+        if axis is Axis.dp:
             options["with_context_parallel"] = False
         coords[axis] = [_call_without(rank_fn, **options), _call_without(size_fn, **options)]
-    for axis in ("gtp", "egtp"):
-        group = megatron_gtp_group(state, axis)
+    for gtp_axis in (Axis.gtp, Axis.egtp):
+        group = megatron_gtp_group(state, gtp_axis)
         if group is not None:
-            coords[axis] = [int(group.rank()), int(group.size())]
+            coords[gtp_axis] = [int(group.rank()), int(group.size())]
     return coords
 
 

@@ -31,13 +31,13 @@ from typing import Any
 
 import torch
 
+from gradstat.core.axes import AXES
 from gradstat.core.placements import MeshPlacement, valid_code
 from gradstat.errors import SnapshotError
 
 FORMAT_NAME = "gradstat-snapshot"
 FORMAT_VERSION = 1
 METADATA_KEY = "gradstat"
-AXES = ("tp", "pp", "dp", "cp", "ep", "etp", "edp", "gtp", "egtp")
 GRAD_ATTRS = ("grad", "main_grad", "decoupled_grad")
 FILE_PATTERN = "rank-{rank:05d}.safetensors"
 

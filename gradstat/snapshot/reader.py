@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
+from gradstat.core.axes import AXES, DENSE_AXES, EXPERT_AXES, Axis
 from gradstat.core.groups import AxisPlace
 from gradstat.errors import SnapshotError
 from gradstat.snapshot.container import Container, mapped, read_container
 from gradstat.snapshot.format import (
     ATTRIBUTE_DEFAULTS,
-    AXES,
     METADATA_KEY,
     PLAIN_ATTRS,
     ParamRecord,
@@ -43,9 +43,9 @@ __all__ = [
 # The attributes a rebuilt parameter carries, and the value each has when its record has none.
 _PLAIN_DEFAULTS = {key: ATTRIBUTE_DEFAULTS[key] for key in PLAIN_ATTRS}
 
-# Axes whose coordinates, together, tell dense ranks apart.
-_DENSE_AXES = ("tp", "cp", "dp", "pp", "gtp")
-_EXPERT_AXES = ("etp", "egtp", "ep", "edp", "pp")
+# Axes whose coordinates, together, tell dense (expert) ranks apart.
+_DENSE_PLACES = (*DENSE_AXES, Axis.pp)
+_EXPERT_PLACES = (*EXPERT_AXES, Axis.pp)
 
 
 class RebuiltParam:
@@ -123,7 +123,7 @@ class RankFile:
         """The file's size when it was validated."""
         return self.container.stamp.size
 
-    def place(self, axis: str) -> AxisPlace:
+    def axis_place(self, axis: str) -> AxisPlace:
         """This rank's place on ``axis``, as the duplicate filters take it."""
         return self._places[axis]
 
@@ -407,7 +407,7 @@ def _check_full_shape(where: str, header: RankHeader, record: ParamRecord) -> No
     An empty shard passes every byte count, yet rebuilding its tensor (TP shards side by side,
     GTP shards stacked) multiplies a size by the axis size, past torch's 64-bit sizes.
     """
-    tp_axis, gtp_axis = ("etp", "egtp") if record.is_expert else ("tp", "gtp")
+    tp_axis, gtp_axis = (Axis.etp, Axis.egtp) if record.is_expert else (Axis.tp, Axis.gtp)
     scale = header.coords[tp_axis][1] if record.attr("tensor_model_parallel") else 1
     if record.attr("is_gtp_weight_remat"):
         scale *= header.coords[gtp_axis][1]
@@ -427,7 +427,7 @@ def _check_places(first: RankFile | FileSummary, world_size: int) -> None:
     """The axes of each family must not describe more places than the job has ranks: such
     coordinates would merge ranks as replicas that are not (a dp size with GTP folded in)."""
     coords = first.header.coords
-    for family in (_DENSE_AXES, _EXPERT_AXES):
+    for family in (_DENSE_PLACES, _EXPERT_PLACES):
         places = math.prod(coords[axis][1] for axis in family)
         if places > world_size:
             sizes = " x ".join(f"{axis} {coords[axis][1]}" for axis in family)
@@ -478,7 +478,7 @@ def _check_whole(folder: Path, files: Sequence[RankFile | FileSummary]) -> None:
                 f"{file.path}: rank {file.rank} is also in {by_rank[file.rank].path.name}"
             )
         by_rank[file.rank] = file
-        place = tuple(file.header.coords[axis][0] for axis in _DENSE_AXES)
+        place = tuple(file.header.coords[axis][0] for axis in _DENSE_PLACES)
         if place in places:
             raise SnapshotError(
                 f"{file.path}: rank {file.rank} has the same coordinates as rank "

@@ -11,13 +11,13 @@ from typing import Any, TypeVar
 
 import torch
 
+from gradstat.core.axes import AXES
 from gradstat.core.groups import group_rank, group_size, is_dtensor, to_local
 from gradstat.core.placements import describe
 from gradstat.errors import SnapshotError
 from gradstat.snapshot.container import write_container
 from gradstat.snapshot.format import (
     ATTRIBUTE_KINDS,
-    AXES,
     DTYPE_NAMES,
     FILE_PATTERN,
     GRAD_ATTRS,

@@ -48,6 +48,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from gradstat.core.axes import DENSE_AXES, EXPERT_AXES
 from gradstat.core.groups import AxisPlace
 from gradstat.errors import GradstatError
 from gradstat.snapshot.format import PLAIN_ATTRS
@@ -76,8 +77,6 @@ _FRAGMENT_ATTRS = (
     "group",
 )
 
-DENSE_AXES = ("tp", "cp", "gtp", "dp")
-EXPERT_AXES = ("etp", "ep", "egtp", "edp")
 # Where a GTP shard (or a fragment of one) keeps its padding mask; save_rank never writes it.
 _PAD_MASK = "_gradstat_pad_mask"
 

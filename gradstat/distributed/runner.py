@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
 from gradstat.analysis.stats import NonFinite, Piece, Request, snapshot_pieces
-from gradstat.cli.launcher import launch_rank, launched
+from gradstat.distributed.launcher import launch_rank, launched
 from gradstat.errors import GradstatError, StoppedTogether
 from gradstat.snapshot import RankFile, Snapshot, SnapshotShare
 from gradstat.snapshot.container import MAX_HEADER_BYTES
@@ -48,7 +48,7 @@ T = TypeVar("T")
 BEAT_INTERVAL_S = 0.2
 
 __all__ = [
-    "Place",
+    "Processes",
     "Progress",
     "agree",
     "gather_jobs",
@@ -81,7 +81,7 @@ class Progress:
 
 
 @dataclass(frozen=True)
-class Place:
+class Processes:
     """This process's rank and the number of processes (0 of 1 without a launcher)."""
 
     rank: int
@@ -109,7 +109,7 @@ class Place:
             self.on_progress(progress)
 
 
-def join(timeout_s: float, on_progress: Callable[[Progress], None] | None = None) -> Place:
+def join(timeout_s: float, on_progress: Callable[[Progress], None] | None = None) -> Processes:
     """Join torchrun's processes in a gloo group (:func:`leave` leaves it); alone, do nothing.
 
     Args:
@@ -120,7 +120,7 @@ def join(timeout_s: float, on_progress: Callable[[Progress], None] | None = None
         GradstatError: the other processes did not all join within ``timeout_s``.
     """
     if not launched():
-        return Place(0, 1, timeout_s, on_progress)
+        return Processes(0, 1, timeout_s, on_progress)
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     timeout = timedelta(seconds=timeout_s)
     try:
@@ -132,7 +132,7 @@ def join(timeout_s: float, on_progress: Callable[[Progress], None] | None = None
             f"process {rank} of {size}: the processes did not all join within {timeout_s:g} s "
             f"({_last_line(error)})"
         ) from error
-    return Place(rank, size, timeout_s, on_progress, store)
+    return Processes(rank, size, timeout_s, on_progress, store)
 
 
 def _launcher_store(rank: int, size: int, timeout: timedelta) -> Any:
@@ -155,10 +155,10 @@ def _launcher_store(rank: int, size: int, timeout: timedelta) -> Any:
     )
 
 
-def leave(place: Place) -> None:
+def leave(processes: Processes) -> None:
     """Leave the group :func:`join` joined. The processes waiting for process 0 to stop
     (:class:`StoppedTogether`, quiet) go once it has left: leave last."""
-    if place.size > 1 and dist.is_initialized():
+    if processes.size > 1 and dist.is_initialized():
         dist.destroy_process_group()
 
 
@@ -168,23 +168,23 @@ def process_group(
     arguments: Sequence[str] = (),
     snapshot_dirs: Sequence[str | os.PathLike[str]] = (),
     on_progress: Callable[[Progress], None] | None = None,
-) -> Iterator[Place]:
+) -> Iterator[Processes]:
     """:func:`join`, :func:`agree`, and :func:`leave` at the end.
 
     Raises:
         GradstatError: the other processes did not all join within ``timeout_s``.
         StoppedTogether: they did not agree (see :func:`agree`).
     """
-    place = join(timeout_s, on_progress)
+    processes = join(timeout_s, on_progress)
     try:
-        agree(place, arguments, snapshot_dirs)
-        yield place
+        agree(processes, arguments, snapshot_dirs)
+        yield processes
     finally:
-        leave(place)
+        leave(processes)
 
 
 def agree(
-    place: Place,
+    processes: Processes,
     arguments: Sequence[str] = (),
     snapshot_dirs: Sequence[str | os.PathLike[str]] = (),
 ) -> None:
@@ -197,13 +197,13 @@ def agree(
     Raises:
         StoppedTogether: other arguments or other rank files; quiet but on process 0.
     """
-    if place.size == 1:
+    if processes.size == 1:
         return
 
     def identify(beat: Callable[[int], None]) -> dict[str, Any]:
         return {"arguments": list(arguments), "snapshots": _snapshot_digest(snapshot_dirs, beat)}
 
-    everyone = _gathered(place, identify)
+    everyone = _gathered(processes, identify)
     first = everyone[0]
     if all(theirs == first for theirs in everyone):
         return
@@ -212,8 +212,8 @@ def agree(
     if others:
         example = everyone[others[0]]["arguments"]
         _stop_together(
-            place,
-            f"{_processes(others)} of {place.size} {'was' if len(others) == 1 else 'were'} "
+            processes,
+            f"{_processes(others)} of {processes.size} {'was' if len(others) == 1 else 'were'} "
             f"started with other arguments than process 0 (process {others[0]} ran "
             f'"gradstat {shlex.join(example)}", process 0 "gradstat '
             f'{shlex.join(started)}"); start every process with the same command',
@@ -221,14 +221,14 @@ def agree(
     others = [rank for rank, theirs in enumerate(everyone) if theirs != first]
     shown = ", ".join(str(directory) for directory in snapshot_dirs)
     _stop_together(
-        place,
-        f"{_processes(others)} of {place.size} {'sees' if len(others) == 1 else 'see'} other "
+        processes,
+        f"{_processes(others)} of {processes.size} {'sees' if len(others) == 1 else 'see'} other "
         f"rank files in {shown} than process 0 (names, sizes or headers differ); every process "
         f"must read the same snapshot",
     )
 
 
-def together(place: Place, work: Callable[[], T]) -> T:
+def together(processes: Processes, work: Callable[[], T]) -> T:
     """``work()`` in every process, stopping them all if it fails in any.
 
     For work whose errors every process meets alike (opening the snapshot): process 0 says the
@@ -238,18 +238,20 @@ def together(place: Place, work: Callable[[], T]) -> T:
         StoppedTogether: ``work`` raised a GradstatError or an OSError in some process (the
             first, by process rank); quiet but on process 0.
     """
-    if place.size == 1:
+    if processes.size == 1:
         return work()
     done: list[T] = []
 
     def compute(beat: Callable[[int], None]) -> None:
         done.append(work())
 
-    _gathered(place, compute)
+    _gathered(processes, compute)
     return done[0]
 
 
-def open_shared(place: Place, directory: str | os.PathLike[str]) -> Snapshot | SnapshotShare:
+def open_shared(
+    processes: Processes, directory: str | os.PathLike[str]
+) -> Snapshot | SnapshotShare:
     """The snapshot in ``directory``, each process validating its share of the rank files.
 
     Alone: :meth:`Snapshot.open`. Under a launcher each process reads and checks the headers
@@ -262,30 +264,30 @@ def open_shared(place: Place, directory: str | os.PathLike[str]) -> Snapshot | S
         StoppedTogether: what is wrong with the snapshot (the first error, by process rank),
             on every process; quiet but on process 0.
     """
-    if place.size == 1:
+    if processes.size == 1:
         return Snapshot.open(directory)
     folder = Path(directory)
     files: list[RankFile] = []
 
     def compute(beat: Callable[[int], None]) -> list[dict[str, Any]]:
-        for name in place.share(rank_file_names(folder)):
+        for name in processes.share(rank_file_names(folder)):
             files.append(open_rank_file(folder, name))
             beat(0)
         return [FileSummary.of(rank_file).to_json() for rank_file in files]
 
-    shares = _gathered(place, compute)
+    shares = _gathered(processes, compute)
     summaries = [FileSummary.from_json(folder, data) for share in shares for data in share]
-    return together(place, lambda: SnapshotShare.assemble(folder, files, summaries))
+    return together(processes, lambda: SnapshotShare.assemble(folder, files, summaries))
 
 
-def _stop_together(place: Place, message: str) -> NoReturn:
+def _stop_together(processes: Processes, message: str) -> NoReturn:
     """Raise ``message`` on every process, to be said by process 0 alone.
 
     A quiet process first waits for process 0 to leave the group (or ``timeout_s``): one that
     left before process 0 said it could get it killed first (torchrun stops every process when
     one fails).
     """
-    if place.is_first:
+    if processes.is_first:
         raise StoppedTogether(message)
     _wait_for_first()
     raise StoppedTogether(message, quiet=True)
@@ -377,14 +379,14 @@ def pick_device(choice: str) -> torch.device:
 def gather_pieces(
     snapshot: Snapshot | SnapshotShare,
     request: Request,
-    place: Place,
+    processes: Processes,
     on_file: Callable[[RankFile], None] | None = None,
     stage: str = "reading rank files",
 ) -> list[Piece]:
     """Every rank file's pieces, computed by the processes in turn (files i, i+N, ...).
 
     Process 0 reports the rank files and bytes all the processes have read, as ``stage``
-    (:meth:`Place.report`); ``on_file`` is called in each process after each of its files.
+    (:meth:`Processes.report`); ``on_file`` is called in each process after each of its files.
 
     Raises:
         StoppedTogether: any process's error (the first, by process rank), on every process.
@@ -394,16 +396,16 @@ def gather_pieces(
     if isinstance(snapshot, SnapshotShare):
         mine, everyone = snapshot.files, snapshot.summaries
     else:
-        mine, everyone = tuple(place.share(snapshot.files)), snapshot.files
+        mine, everyone = tuple(processes.share(snapshot.files)), snapshot.files
     ranks = [rank_file.rank for rank_file in mine]
     total_bytes = sum(rank_file.size_bytes for rank_file in everyone)
 
     def report(done: int, done_bytes: int) -> None:
         progress = Progress(stage, done, len(everyone), "rank files", done_bytes, total_bytes)
-        place.report(progress)
+        processes.report(progress)
 
     report(0, 0)
-    if place.size == 1:
+    if processes.size == 1:
         done = [0, 0]
 
         def after_one(rank_file: RankFile) -> None:
@@ -424,7 +426,7 @@ def gather_pieces(
         pieces = snapshot_pieces(snapshot, request, ranks, after_file)
         return [asdict(piece) for piece in pieces]
 
-    shares = _gathered(place, compute, report if place.is_first else None)
+    shares = _gathered(processes, compute, report if processes.is_first else None)
     report(len(everyone), total_bytes)
     pieces = [_piece_from(data) for share in shares for data in share]
     # Stable: each file's pieces stay in their order, files come in rank order.
@@ -433,7 +435,7 @@ def gather_pieces(
 
 
 def gather_jobs(
-    place: Place,
+    processes: Processes,
     jobs: Sequence[T],
     work: Callable[[T], Any],
     stage: str = "checking",
@@ -452,10 +454,10 @@ def gather_jobs(
         StoppedTogether: any process's error (the first, by process rank), on every process.
         GradstatError: some processes stopped moving (named by number), or, alone, the error.
     """
-    mine = place.share(range(len(jobs)))
+    mine = processes.share(range(len(jobs)))
 
     def report(done: int, _bytes: int = 0) -> None:
-        place.report(Progress(stage, done, len(jobs), unit))
+        processes.report(Progress(stage, done, len(jobs), unit))
 
     def compute(beat: Callable[[int], None]) -> list[list[Any]]:
         done = []
@@ -465,11 +467,11 @@ def gather_jobs(
         return done
 
     report(0)
-    if place.size == 1:
+    if processes.size == 1:
         finished = itertools.count(1)
         shares = [json.loads(json.dumps(compute(lambda _: report(next(finished)))))]
     else:
-        shares = _gathered(place, compute, report if place.is_first else None)
+        shares = _gathered(processes, compute, report if processes.is_first else None)
     report(len(jobs))
     results: list[Any] = [None] * len(jobs)
     for share in shares:
@@ -479,7 +481,7 @@ def gather_jobs(
 
 
 def _gathered(
-    place: Place,
+    processes: Processes,
     compute: Callable[[Callable[[int], None]], Any],
     watch: Callable[[int, int], None] | None = None,
 ) -> list[Any]:
@@ -494,7 +496,7 @@ def _gathered(
         StoppedTogether: a process's error (the first, by process rank), on every process.
         GradstatError: the processes that stopped moving, by number, wherever they stopped.
     """
-    heartbeat = _Heartbeat(place, next(place._exchanges), watch)
+    heartbeat = _Heartbeat(processes, next(processes._exchanges), watch)
     payload: dict[str, Any]
     try:
         payload = {"ok": compute(heartbeat.beat)}
@@ -513,7 +515,7 @@ def _gathered(
     gathered = [json.loads(blob) for blob in blobs]
     errors = [share["error"] for share in gathered if "error" in share]
     if errors:
-        _stop_together(place, errors[0])
+        _stop_together(processes, errors[0])
     return [share["ok"] for share in gathered]
 
 
@@ -531,12 +533,12 @@ class _Heartbeat:
     """
 
     def __init__(
-        self, place: Place, exchange: int, watch: Callable[[int, int], None] | None = None
+        self, processes: Processes, exchange: int, watch: Callable[[int, int], None] | None = None
     ) -> None:
-        self.place = place
+        self.processes = processes
         self.exchange = exchange
         self.watch = watch
-        self.store = place.store
+        self.store = processes.store
         self.done = self.done_bytes = 0
         self.said = -math.inf
         self._set("progress", "0 0")
@@ -545,7 +547,7 @@ class _Heartbeat:
         return f"gradstat/{self.exchange}/{kind}/{rank}"
 
     def _set(self, kind: str, value: str) -> None:
-        self.store.set(self._key(kind, self.place.rank), value)
+        self.store.set(self._key(kind, self.processes.rank), value)
 
     def beat(self, nbytes: int = 0) -> None:
         """One more unit of work done, of ``nbytes`` bytes.
@@ -569,9 +571,9 @@ class _Heartbeat:
         if self.watch is None:
             return
         done, done_bytes = self.done, self.done_bytes
-        for rank in range(self.place.size):
+        for rank in range(self.processes.size):
             key = self._key("progress", rank)
-            if rank != self.place.rank and self.store.check([key]):
+            if rank != self.processes.rank and self.store.check([key]):
                 units, nbytes = self.store.get(key).split()
                 done, done_bytes = done + int(units), done_bytes + int(nbytes)
         self.watch(done, done_bytes)
@@ -587,8 +589,8 @@ class _Heartbeat:
         """
         self._set("progress", f"{self.done} {self.done_bytes}")
         self._set("done", str(length))
-        self._wait_for("done", self.place.timeout_s)
-        return [int(self.store.get(self._key("done", rank))) for rank in range(self.place.size)]
+        self._wait_for("done", self.processes.timeout_s)
+        return [int(self.store.get(self._key("done", rank))) for rank in range(self.processes.size)]
 
     def gathered(self) -> None:
         """Say the gather went right for this process."""
@@ -601,14 +603,14 @@ class _Heartbeat:
             self._set("gathered", "failed")
             # The others' gathers time out up to timeout_s after this one failed (at once, when
             # the lost process is dead): only a process silent for longer is lost.
-            self._wait_for("gathered", 2 * self.place.timeout_s)
+            self._wait_for("gathered", 2 * self.processes.timeout_s)
         except GradstatError as lost:
             return lost
         except RuntimeError:
             pass  # the store went with the process that held it
         return GradstatError(
-            f"process {self.place.rank} of {self.place.size}: another process failed or was "
-            f"lost while gathering results ({_last_line(error)})"
+            f"process {self.processes.rank} of {self.processes.size}: another process failed or "
+            f"was lost while gathering results ({_last_line(error)})"
         )
 
     def _wait_for(self, kind: str, patience_s: float) -> None:
@@ -620,7 +622,7 @@ class _Heartbeat:
             GradstatError: some processes made no progress for ``patience_s`` seconds (said
                 as ``timeout_s``, the user's figure), or the store is gone.
         """
-        size, timeout_s = self.place.size, self.place.timeout_s
+        size, timeout_s = self.processes.size, self.processes.timeout_s
         keys = [self._key(kind, rank) for rank in range(size)]
         seen: dict[int, tuple[bytes, float]] = {}
         pause, looked = 0.001, time.monotonic()
@@ -646,13 +648,13 @@ class _Heartbeat:
                         lost.append(rank)
                 if lost:
                     raise GradstatError(
-                        f"process {self.place.rank} of {size}: process "
+                        f"process {self.processes.rank} of {size}: process "
                         f"{', '.join(map(str, lost))} made no progress for {timeout_s:g} s "
                         f"(killed or hung?); stopping"
                     )
         except RuntimeError as error:  # DistNetworkError: the store's host is gone
             raise GradstatError(
-                f"process {self.place.rank} of {size}: lost the launcher's key-value store "
+                f"process {self.processes.rank} of {size}: lost the launcher's key-value store "
                 f"({_last_line(error)}); the process holding it (process 0 without torchrun) "
                 f"failed or was lost"
             ) from error
