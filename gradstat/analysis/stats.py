@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gradstat.clip_grads import check_norm_type, grads_for_norm
-from gradstat.core import kernels, native
+from gradstat.core import kernels
 from gradstat.core.predicates import gtp_pad_zero_count, param_is_not_shared
 from gradstat.errors import SnapshotError
 from gradstat.snapshot import RankFile, RebuiltParam, Snapshot, SnapshotShare
@@ -203,37 +203,14 @@ def _piece(rank_file: RankFile, param: RebuiltParam, request: Request) -> Piece:
     assert grad is not None
     if grad.device != request.device:
         grad = param.grad = grad.to(request.device)
-    device = request.device
-    # fp32 on CPU: the sum of squares, max |x| and the zero count from one native pass.
-    wants_fused = request.zeros or request.with_inf or 2.0 in request.finite
-    fused = native.fused_f32(grad) if wants_fused else None
-
-    def norm(p: float) -> float:
-        if p == 2 and fused is not None:
-            if fused.max_abs == 0.0 and not fused.has_nan:
-                return 0.0
-            if kernels.UNDERFLOW_GUARD <= fused.sum_squares < math.inf:
-                return math.sqrt(fused.sum_squares)
-        return kernels.norm([grad], p, device)
-
-    norms = tuple(norm(p) for p in request.finite)
-    max_abs = None
-    if request.with_inf:
-        if fused is None:
-            max_abs = float(kernels.abs_max([grad], device))
-        else:
-            max_abs = math.nan if fused.has_nan else fused.max_abs
+    stats = kernels.tensor_stats(
+        grad, request.finite, request.with_inf, request.zeros, request.device
+    )
+    norms, max_abs = stats.norms, stats.max_abs
     pad = gtp_pad_zero_count(param, grad)
-    zeros = 0
-    if request.zeros:
-        # count_zeros_fp32 without its reduction: this runs per tensor, also under a launcher
-        # whose processes hold different numbers of tensors (``counts`` applied the filters).
-        found = (
-            fused.zeros
-            if fused is not None
-            else grad.numel() - int(kernels.nonzero_count([grad], device))
-        )
-        zeros = found - pad
+    # count_zeros_fp32 without its reduction: this runs per tensor, also under a launcher whose
+    # processes hold different numbers of tensors (``counts`` applied the filters).
+    zeros = 0 if stats.zeros is None else stats.zeros - pad
     partials = (*norms, *(() if max_abs is None else (max_abs,)))
     nonfinite = None
     # NaN and Inf propagate into every norm: only a non-finite partial needs the extra passes.

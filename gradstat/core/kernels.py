@@ -26,6 +26,7 @@ import math
 import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,7 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "StatCompute",
     "StatReduce",
+    "TensorStats",
     "abs_max",
     "add_norms",
     "check_dtype",
@@ -46,6 +48,7 @@ __all__ = [
     "norm",
     "reduced_norm",
     "scaled_power_sum",
+    "tensor_stats",
 ]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -654,3 +657,47 @@ def nonzero_count(grads: Sequence[Tensor], device: torch.device) -> Tensor:
     if not counts:
         return torch.zeros((), dtype=torch.int64, device=device)
     return torch.stack(counts).sum()
+
+
+@dataclass(frozen=True)
+class TensorStats:
+    """One tensor's statistics (see :func:`tensor_stats`)."""
+
+    norms: tuple[float, ...]  # one per finite p asked, in the order asked
+    max_abs: float | None  # NaN when the tensor holds one; None when not asked
+    zeros: int | None  # elements equal to zero (-0.0 too); None when not asked
+
+
+def tensor_stats(
+    grad: Tensor, finite: Sequence[float], with_inf: bool, zeros: bool, device: torch.device
+) -> TensorStats:
+    """The p-norms of one tensor for each p in ``finite``, its max |x| when ``with_inf``, and
+    its zero count when ``zeros``, each as exact as :func:`norm` makes a norm.
+
+    A CPU fp32 tensor gives its sum of squares, max |x|, NaN flag and zero count in one pass
+    of the native kernel where it is built; its L2 norm is that sum's root unless the sum left
+    the range where fp32 squares are exact (then :func:`norm` recomputes it).
+    """
+    wants_fused = zeros or with_inf or 2.0 in finite
+    fused = native.fused_f32(grad) if wants_fused else None
+
+    def one_norm(p: float) -> float:
+        if p == 2 and fused is not None:
+            if fused.max_abs == 0.0 and not fused.has_nan:
+                return 0.0
+            if UNDERFLOW_GUARD <= fused.sum_squares < math.inf:
+                return math.sqrt(fused.sum_squares)
+        return norm([grad], p, device)
+
+    max_abs = None
+    if with_inf:
+        if fused is None:
+            max_abs = float(abs_max([grad], device))
+        else:
+            max_abs = math.nan if fused.has_nan else fused.max_abs
+    found = None
+    if zeros:
+        found = (
+            fused.zeros if fused is not None else grad.numel() - int(nonzero_count([grad], device))
+        )
+    return TensorStats(tuple(one_norm(p) for p in finite), max_abs, found)
