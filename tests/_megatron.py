@@ -201,6 +201,87 @@ def point_megatron_at_cpu(spots: Sequence[CudaSpot] = MEGATRON_JOB_SPOTS) -> int
     return replaced
 
 
+@dataclass(frozen=True)
+class GptSize:
+    """The small GPT of the Megatron jobs: its sizes and the DDP's bucket size."""
+
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    vocab: int
+    sequence: int
+    experts: int
+    expert_ffn: int
+    bucket_size: int
+
+
+def megatron_gpt_job(
+    size: GptSize,
+    *,
+    moe: bool,
+    distributed_optimizer: bool,
+    before_ddp: Callable[[Any], None] | None = None,
+    **parallel: int,
+) -> tuple[list[Any], Any]:
+    """What a Megatron training script builds on this rank: its ``GPTModel`` (local layer
+    spec, output layer tied to the embedding), wrapped in its ``DistributedDataParallel``, and
+    ``get_megatron_optimizer``'s Adam, plain or distributed.
+
+    Args:
+        size: the model's sizes.
+        moe: MoE layers with ``size.experts`` experts.
+        distributed_optimizer: the DDP and optimizer use Megatron's distributed optimizer.
+        before_ddp: called with the bare model before DDP wraps it.
+        parallel: ``TransformerConfig``'s parallel sizes (``tensor_model_parallel_size``, ...).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+
+    torch.manual_seed(0)
+    experts = size.experts if moe else None
+    config = TransformerConfig(
+        num_layers=size.layers,
+        hidden_size=size.hidden,
+        num_attention_heads=size.heads,
+        ffn_hidden_size=size.ffn,
+        num_moe_experts=experts,
+        moe_ffn_hidden_size=size.expert_ffn if moe else None,
+        moe_router_topk=2,
+        expert_tensor_parallel_size=1,
+        pipeline_dtype=torch.float32,
+        use_cpu_initialization=True,
+        **parallel,
+    )
+    chunk = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=experts),
+        vocab_size=size.vocab,
+        max_sequence_length=size.sequence,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=True,
+    )
+    if before_ddp is not None:
+        before_ddp(chunk)
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=distributed_optimizer, bucket_size=size.bucket_size
+    )
+    model = [DistributedDataParallel(config, ddp_config, chunk)]
+    optimizer_config = OptimizerConfig(
+        optimizer="adam",
+        lr=1e-3,
+        use_distributed_optimizer=distributed_optimizer,
+        log_num_zeros_in_grad=True,
+    )
+    optimizer = get_megatron_optimizer(optimizer_config, model, use_gloo_process_groups=False)
+    return model, optimizer
+
+
 def _stand_in_optimizer(params: list[Any], stats_group: Any, tp_group: Any) -> Any:
     """An object on which MegatronOptimizer's own methods run: parameters, config, groups."""
     from megatron.core.optimizer.optimizer import MegatronOptimizer

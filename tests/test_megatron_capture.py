@@ -38,6 +38,7 @@ from gradstat.errors import SnapshotError
 from gradstat.snapshot import dump_rank
 from gradstat.testing import Case, launch
 from tests._cli import recipe, run_gradstat
+from tests._megatron import GptSize, megatron_gpt_job
 from tests._oracle import float64_norm, rel_err, zeros_in
 
 pytestmark = [
@@ -57,6 +58,7 @@ ZERO_EXPERT = 1  # an expert no token was routed to
 ZERO_BIAS = "decoder.layers.1.self_attention.linear_qkv.bias"
 # Several buckets per buffer, so fragments' ranges come from more than one bucket.
 BUCKET_SIZE = 3000
+SIZE = GptSize(LAYERS, HIDDEN, HEADS, FFN, VOCAB, SEQUENCE, EXPERTS, EXPERT_FFN, BUCKET_SIZE)
 
 
 @dataclass(frozen=True)
@@ -122,51 +124,14 @@ def _global_name(local: str, job: Job, stage: int, ep_rank: int) -> str:
 
 def _build(job: Job) -> tuple[Any, Any]:
     """Megatron's GPT chunk of this rank wrapped in its DDP, and its optimizer."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.transformer import TransformerConfig
-
-    torch.manual_seed(0)
-    experts = EXPERTS if job.moe else None
-    config = TransformerConfig(
-        num_layers=LAYERS,
-        hidden_size=HIDDEN,
-        num_attention_heads=HEADS,
-        ffn_hidden_size=FFN,
-        num_moe_experts=experts,
-        moe_ffn_hidden_size=EXPERT_FFN if job.moe else None,
-        moe_router_topk=2,
+    return megatron_gpt_job(
+        SIZE,
+        moe=job.moe,
+        distributed_optimizer=job.distributed_optimizer,
         tensor_model_parallel_size=job.tp,
         pipeline_model_parallel_size=job.pp,
         expert_model_parallel_size=job.ep,
-        expert_tensor_parallel_size=1,
-        pipeline_dtype=torch.float32,
-        use_cpu_initialization=True,
     )
-    chunk = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=experts),
-        vocab_size=VOCAB,
-        max_sequence_length=SEQUENCE,
-        pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=True,
-    )
-    ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=job.distributed_optimizer, bucket_size=BUCKET_SIZE
-    )
-    model = [DistributedDataParallel(config, ddp_config, chunk)]
-    optimizer_config = OptimizerConfig(
-        optimizer="adam",
-        lr=1e-3,
-        use_distributed_optimizer=job.distributed_optimizer,
-        log_num_zeros_in_grad=True,
-    )
-    optimizer = get_megatron_optimizer(optimizer_config, model, use_gloo_process_groups=False)
-    return model, optimizer
 
 
 def _fill_main_grads(model: list[Any], job: Job) -> dict[str, tuple[list[int], bool]]:

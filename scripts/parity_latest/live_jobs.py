@@ -48,7 +48,13 @@ from torch import Tensor
 from gradstat.snapshot import dump_rank
 from gradstat.snapshot.capture import gradients_to_dump
 from tests._cli import recipe, run_gradstat
-from tests._megatron import MEGATRON_JOB_SPOTS, CudaSpot, point_megatron_at_cpu
+from tests._megatron import (
+    MEGATRON_JOB_SPOTS,
+    CudaSpot,
+    GptSize,
+    megatron_gpt_job,
+    point_megatron_at_cpu,
+)
 from tests._oracle import float64_norm, rel_err, zeros_in
 
 # FFN, VOCAB and EXPERT_FFN are not multiples of GTP's alignment (pad_for_alignment 16 x the
@@ -61,6 +67,7 @@ UNSEEN_TOKENS = (3, 17, 40, 60)  # embedding rows no token touched: zeros in eve
 ZERO_EXPERT = 1  # an expert no token was routed to
 ZERO_BIAS = "decoder.layers.1.self_attention.linear_qkv.bias"
 BUCKET_SIZE = 3000  # several buckets per buffer: fragments from more than one bucket
+SIZE = GptSize(LAYERS, HIDDEN, HEADS, FFN, VOCAB, SEQUENCE, EXPERTS, EXPERT_FFN, BUCKET_SIZE)
 LIVE_RTOL = 1e-6  # Megatron reduces in fp32; gradstat reads the fp32 main_grads it left
 
 # megatron-core 0.19's own CUDA-only spots on that path, beyond tests/_megatron.py's:
@@ -295,49 +302,21 @@ def restore_expert_allreduce(chunk: torch.nn.Module) -> int:
 def _build(job: LiveJob) -> tuple[list[Any], Any, int]:
     """Megatron's GPT model of this rank (GTP on) wrapped in its DDP, its optimizer, and how
     many expert weights got allreduce=False back (none for an ``as_built`` job)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.transformer import TransformerConfig
+    restored = []
 
-    torch.manual_seed(0)
-    experts = EXPERTS if job.moe else None
-    config = TransformerConfig(
-        num_layers=LAYERS,
-        hidden_size=HIDDEN,
-        num_attention_heads=HEADS,
-        ffn_hidden_size=FFN,
-        num_moe_experts=experts,
-        moe_ffn_hidden_size=EXPERT_FFN if job.moe else None,
-        moe_router_topk=2,
+    def restore(chunk: Any) -> None:
+        restored.append(0 if job.as_built else restore_expert_allreduce(chunk))
+
+    model, optimizer = megatron_gpt_job(
+        SIZE,
+        moe=job.moe,
+        distributed_optimizer=job.distributed_optimizer,
+        before_ddp=restore,
         expert_model_parallel_size=job.ep,
-        expert_tensor_parallel_size=1,
         gtp_weight_remat_size=job.gtp,
         expert_gtp_weight_remat_size=job.egtp,
-        pipeline_dtype=torch.float32,
-        use_cpu_initialization=True,
     )
-    chunk = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=experts),
-        vocab_size=VOCAB,
-        max_sequence_length=SEQUENCE,
-        share_embeddings_and_output_weights=True,
-    )
-    restored = 0 if job.as_built else restore_expert_allreduce(chunk)
-    ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=job.distributed_optimizer, bucket_size=BUCKET_SIZE
-    )
-    model = [DistributedDataParallel(config, ddp_config, chunk)]
-    optimizer_config = OptimizerConfig(
-        optimizer="adam",
-        lr=1e-3,
-        use_distributed_optimizer=job.distributed_optimizer,
-        log_num_zeros_in_grad=True,
-    )
-    optimizer = get_megatron_optimizer(optimizer_config, model, use_gloo_process_groups=False)
-    return model, optimizer, restored
+    return model, optimizer, restored[0]
 
 
 def run_live_job(rank: int, world_size: int, arg: tuple[LiveJob, str]) -> dict[str, Any]:
