@@ -11,8 +11,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +19,7 @@ import pytest
 
 from gradstat.testing import Case, launch
 from tests import _jobs
+from tests._cli import run_gradstat
 from tests._jobs import Job
 from tests._oracle import float64_norm, rel_err, zeros_in
 
@@ -160,15 +159,9 @@ def test_empty_lists(single: dict[str, Any]) -> None:
 
 
 def _cli(*args: str) -> dict[str, Any]:
-    result = subprocess.run(
-        [sys.executable, "-m", "gradstat", *args, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    result = run_gradstat(*args, "--json")
     assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
+    return dict(json.loads(result.stdout))
 
 
 @pytest.mark.parametrize("kind", ["plain", "distopt"])

@@ -27,7 +27,6 @@ import datetime
 import json
 import math
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,6 +45,7 @@ import ranks  # noqa: E402
 
 from gradstat.testing import Case, launch  # noqa: E402
 from tests import _jobs  # noqa: E402
+from tests._cli import run_gradstat  # noqa: E402
 from tests._jobs import Job  # noqa: E402
 from tests._oracle import float64_norm, rel_err, zeros_in  # noqa: E402
 
@@ -200,13 +200,7 @@ def _zero_rows(report: Report, layout: Job, values: list[dict[str, Any]], oracle
 
 
 def _cli(*args: str) -> dict[str, Any]:
-    result = subprocess.run(
-        [sys.executable, "-m", "gradstat", *args, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    result = run_gradstat(*args, "--json")
     if result.returncode not in (0, 1):
         raise RuntimeError(f"gradstat {' '.join(args)} exited {result.returncode}: {result.stderr}")
     document: dict[str, Any] = json.loads(result.stdout)
