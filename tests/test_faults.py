@@ -116,6 +116,28 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _as_launched(commands: list[list[str]]) -> list[subprocess.Popen[str]]:
+    """One process per command, numbered as a launcher numbers them (RANK, LOCAL_RANK,
+    WORLD_SIZE and a free MASTER_PORT on this host), stdout and stderr captured."""
+    port = _free_port()
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(len(commands)),
+    }
+    return [
+        subprocess.Popen(
+            command,
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank, command in enumerate(commands)
+    ]
+
+
 # Process 1 runs under this wrapper, which stops it (SIGSTOP, by its own hand) as it maps its
 # first rank file: it has joined the group and started, and cannot have finished.
 FROZEN_ON_FIRST_FILE = """
@@ -140,23 +162,13 @@ main()
 @pytest.mark.slow
 def test_a_frozen_process_is_named_by_the_others(large_snapshot: Path) -> None:
     """Two processes as a launcher starts them; process 1 freezes while reading its files."""
-    port = _free_port()
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
     args = ["norm", str(large_snapshot), "--timeout", "3"]
-    commands = [
-        [sys.executable, "-m", "gradstat", *args],
-        [sys.executable, "-c", FROZEN_ON_FIRST_FILE, *args],
-    ]
-    processes = [
-        subprocess.Popen(
-            commands[rank],
-            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
+    processes = _as_launched(
+        [
+            [sys.executable, "-m", "gradstat", *args],
+            [sys.executable, "-c", FROZEN_ON_FIRST_FILE, *args],
+        ]
+    )
     try:
         _, stderr = processes[0].communicate(timeout=300)
         assert processes[0].returncode == 2, stderr
@@ -232,18 +244,7 @@ def test_a_process_lost_at_any_point_is_named(tmp_path: Path, where: str, how: s
     (compare and audit make several) found the first one's marks and waited for no one."""
     script = tmp_path / "faulty.py"
     script.write_text(FAULTY)
-    port = _free_port()
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
-    processes = [
-        subprocess.Popen(
-            [sys.executable, str(script), where, how, str(tmp_path)],
-            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
+    processes = _as_launched([[sys.executable, str(script), where, how, str(tmp_path)]] * 2)
     try:
         deadline = time.monotonic() + 120
         while not all((tmp_path / f"ready-{rank}").exists() for rank in range(2)):
