@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -116,9 +118,18 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _as_launched(commands: list[list[str]]) -> list[subprocess.Popen[str]]:
+# What process 0 says when process 1 of 2 stops moving under --timeout 3.
+LOST_PROCESS_1 = (
+    "gradstat: error: process 0 of 2: process 1 made no progress for 3 s (killed or hung?); "
+    "stopping"
+)
+
+
+@contextmanager
+def _as_launched(commands: list[list[str]]) -> Iterator[list[subprocess.Popen[str]]]:
     """One process per command, numbered as a launcher numbers them (RANK, LOCAL_RANK,
-    WORLD_SIZE and a free MASTER_PORT on this host), stdout and stderr captured."""
+    WORLD_SIZE and a free MASTER_PORT on this host), stdout and stderr captured; all killed
+    when the block is left."""
     port = _free_port()
     env = {
         **os.environ,
@@ -126,7 +137,7 @@ def _as_launched(commands: list[list[str]]) -> list[subprocess.Popen[str]]:
         "MASTER_PORT": str(port),
         "WORLD_SIZE": str(len(commands)),
     }
-    return [
+    processes = [
         subprocess.Popen(
             command,
             env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
@@ -136,6 +147,12 @@ def _as_launched(commands: list[list[str]]) -> list[subprocess.Popen[str]]:
         )
         for rank, command in enumerate(commands)
     ]
+    try:
+        yield processes
+    finally:
+        for process in processes:
+            process.kill()
+            process.communicate()
 
 
 # Process 1 runs under this wrapper, which stops it (SIGSTOP, by its own hand) as it maps its
@@ -163,23 +180,14 @@ main()
 def test_a_frozen_process_is_named_by_the_others(large_snapshot: Path) -> None:
     """Two processes as a launcher starts them; process 1 freezes while reading its files."""
     args = ["norm", str(large_snapshot), "--timeout", "3"]
-    processes = _as_launched(
-        [
-            [sys.executable, "-m", "gradstat", *args],
-            [sys.executable, "-c", FROZEN_ON_FIRST_FILE, *args],
-        ]
-    )
-    try:
+    commands = [
+        [sys.executable, "-m", "gradstat", *args],
+        [sys.executable, "-c", FROZEN_ON_FIRST_FILE, *args],
+    ]
+    with _as_launched(commands) as processes:
         _, stderr = processes[0].communicate(timeout=300)
         assert processes[0].returncode == 2, stderr
-        assert stderr.strip().splitlines()[-1] == (
-            "gradstat: error: process 0 of 2: process 1 made no progress for 3 s "
-            "(killed or hung?); stopping"
-        ), stderr
-    finally:
-        for process in processes:
-            process.kill()
-            process.communicate()
+        assert stderr.strip().splitlines()[-1] == LOST_PROCESS_1, stderr
 
 
 # Each process runs this; process 1 stops (SIGSTOP) or dies (SIGKILL) by its own hand at a
@@ -244,8 +252,8 @@ def test_a_process_lost_at_any_point_is_named(tmp_path: Path, where: str, how: s
     (compare and audit make several) found the first one's marks and waited for no one."""
     script = tmp_path / "faulty.py"
     script.write_text(FAULTY)
-    processes = _as_launched([[sys.executable, str(script), where, how, str(tmp_path)]] * 2)
-    try:
+    command = [sys.executable, str(script), where, how, str(tmp_path)]
+    with _as_launched([command, command]) as processes:
         deadline = time.monotonic() + 120
         while not all((tmp_path / f"ready-{rank}").exists() for rank in range(2)):
             assert time.monotonic() < deadline and processes[0].poll() is None, "never ready"
@@ -255,11 +263,4 @@ def test_a_process_lost_at_any_point_is_named(tmp_path: Path, where: str, how: s
         assert processes[0].returncode == 2, stderr
         assert "finished" not in stdout
         assert "another process failed or was lost" not in stderr
-        assert stderr.strip().splitlines()[-1] == (
-            "gradstat: error: process 0 of 2: process 1 made no progress for 3 s "
-            "(killed or hung?); stopping"
-        ), stderr
-    finally:
-        for process in processes:
-            process.kill()
-            process.communicate()
+        assert stderr.strip().splitlines()[-1] == LOST_PROCESS_1, stderr
