@@ -252,10 +252,10 @@ def test_status_file_keeps_gradstats_status_under_torchrun(
 # The run dies halfway (as a killed process would): no status at all, not the last run's.
 DIES_WHILE_READING = """
 import os, sys
-import gradstat.distributed.runner
+import gradstat.analysis.stats
 from gradstat.cli import main
 
-gradstat.distributed.runner.gather_pieces = lambda *args, **kwargs: os._exit(9)
+gradstat.analysis.stats.gather_pieces = lambda *args, **kwargs: os._exit(9)
 sys.argv = ["gradstat", *sys.argv[1:]]
 main()
 """

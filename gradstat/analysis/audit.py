@@ -34,10 +34,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradstat.analysis.stats import Request, counts, merge, nan_max, relative_to
+from gradstat.analysis.stats import Request, counts, gather_pieces, merge, nan_max, relative_to
 from gradstat.analysis.tiles import MappedFiles, Tile, box, chunks, snapshot_tiles
 from gradstat.cli.report import SnapshotInfo, jsonable, snapshot_info
-from gradstat.distributed.runner import Processes, gather_jobs, gather_pieces
+from gradstat.distributed.runner import Processes, gather_jobs
 from gradstat.snapshot import RebuiltParam, Snapshot
 
 __all__ = ["KINDS", "AuditReport", "Finding", "audit_snapshot"]

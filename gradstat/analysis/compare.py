@@ -17,7 +17,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradstat.analysis.stats import ParamStats, Request, SnapshotStats, merge, nan_max, relative_to
+from gradstat.analysis.stats import (
+    ParamStats,
+    Request,
+    SnapshotStats,
+    gather_pieces,
+    merge,
+    nan_max,
+    relative_to,
+)
 from gradstat.analysis.tiles import (
     MappedFiles,
     Tile,
@@ -28,7 +36,7 @@ from gradstat.analysis.tiles import (
     snapshot_tiles,
 )
 from gradstat.cli.report import SnapshotInfo, jsonable, snapshot_info
-from gradstat.distributed.runner import Processes, gather_jobs, gather_pieces
+from gradstat.distributed.runner import Processes, gather_jobs
 from gradstat.snapshot import Snapshot
 
 __all__ = ["CompareReport", "ParamDiff", "TotalDiff", "compare_snapshots", "rel_diff"]

@@ -14,15 +14,18 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
 from gradstat.clip_grads import check_norm_type, grads_for_norm
 from gradstat.core import kernels
 from gradstat.core.predicates import gtp_pad_zero_count, param_is_not_shared
+from gradstat.distributed.runner import Processes, Progress, gather
 from gradstat.errors import SnapshotError
 from gradstat.snapshot import RankFile, RebuiltParam, Snapshot, SnapshotShare
+from gradstat.snapshot.reader import FileSummary
 
 __all__ = [
     "NonFinite",
@@ -32,6 +35,7 @@ __all__ = [
     "SnapshotStats",
     "counts",
     "file_pieces",
+    "gather_pieces",
     "merge",
     "nan_max",
     "relative_to",
@@ -179,6 +183,18 @@ class Piece:
     max_abs: float | None
     nonfinite: NonFinite | None
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Piece:
+        """The piece ``dataclasses.asdict`` made JSON of, as another process sent it."""
+        found = data["nonfinite"]
+        return cls(
+            **{
+                **data,
+                "norms": tuple(data["norms"]),
+                "nonfinite": None if found is None else NonFinite(**found),
+            }
+        )
+
 
 @dataclass(frozen=True)
 class Request:
@@ -315,4 +331,62 @@ def snapshot_pieces(
         pieces += file_pieces(rank_file, request)
         if on_file is not None:
             on_file(rank_file)
+    return pieces
+
+
+def gather_pieces(
+    snapshot: Snapshot | SnapshotShare,
+    request: Request,
+    processes: Processes,
+    on_file: Callable[[RankFile], None] | None = None,
+    stage: str = "reading rank files",
+) -> list[Piece]:
+    """Every rank file's pieces, computed by the processes in turn (files i, i+N, ...).
+
+    Process 0 reports the rank files and bytes all the processes have read, as ``stage``
+    (:meth:`Processes.report`); ``on_file`` is called in each process after each of its files.
+
+    Raises:
+        StoppedTogether: any process's error (the first, by process rank), on every process.
+        GradstatError: some processes stopped moving (named by number), or, alone, the error.
+    """
+    everyone: Sequence[RankFile | FileSummary]
+    if isinstance(snapshot, SnapshotShare):
+        mine, everyone = snapshot.files, snapshot.summaries
+    else:
+        mine, everyone = tuple(processes.share(snapshot.files)), snapshot.files
+    ranks = [rank_file.rank for rank_file in mine]
+    total_bytes = sum(rank_file.size_bytes for rank_file in everyone)
+
+    def report(done: int, done_bytes: int) -> None:
+        progress = Progress(stage, done, len(everyone), "rank files", done_bytes, total_bytes)
+        processes.report(progress)
+
+    report(0, 0)
+    if processes.size == 1:
+        done = [0, 0]
+
+        def after_one(rank_file: RankFile) -> None:
+            done[0] += 1
+            done[1] += rank_file.size_bytes
+            report(*done)
+            if on_file is not None:
+                on_file(rank_file)
+
+        return snapshot_pieces(snapshot, request, ranks, after_one)
+
+    def compute(beat: Callable[[int], None]) -> list[dict[str, Any]]:
+        def after_file(rank_file: RankFile) -> None:
+            beat(rank_file.size_bytes)
+            if on_file is not None:
+                on_file(rank_file)
+
+        pieces = snapshot_pieces(snapshot, request, ranks, after_file)
+        return [asdict(piece) for piece in pieces]
+
+    shares = gather(processes, compute, report if processes.is_first else None)
+    report(len(everyone), total_bytes)
+    pieces = [Piece.from_json(data) for share in shares for data in share]
+    # Stable: each file's pieces stay in their order, files come in rank order.
+    pieces.sort(key=lambda piece: piece.rank)
     return pieces

@@ -454,8 +454,8 @@ def _statistics(
     Returns the snapshot (under torchrun, this process's share), its statistics, and whether
     this process prints (rank 0).
     """
-    from gradstat.analysis.stats import Request, merge
-    from gradstat.distributed.runner import gather_pieces, open_shared, pick_device, together
+    from gradstat.analysis.stats import Request, gather_pieces, merge
+    from gradstat.distributed.runner import open_shared, pick_device, together
 
     processes = _session().join(timeout, [snapshot_dir], as_json)
     snapshot = open_shared(processes, snapshot_dir)

@@ -23,7 +23,7 @@ import stat
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
@@ -35,7 +35,6 @@ import torch.distributed as dist
 # type checkers do not follow.
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
-from gradstat.analysis.stats import NonFinite, Piece, Request, snapshot_pieces
 from gradstat.distributed.launcher import launch_rank, launched
 from gradstat.errors import GradstatError, StoppedTogether
 from gradstat.snapshot import RankFile, Snapshot, SnapshotShare
@@ -51,8 +50,8 @@ __all__ = [
     "Processes",
     "Progress",
     "agree",
+    "gather",
     "gather_jobs",
-    "gather_pieces",
     "join",
     "launch_rank",
     "launched",
@@ -203,7 +202,7 @@ def agree(
     def identify(beat: Callable[[int], None]) -> dict[str, Any]:
         return {"arguments": list(arguments), "snapshots": _snapshot_digest(snapshot_dirs, beat)}
 
-    everyone = _gathered(processes, identify)
+    everyone = gather(processes, identify)
     first = everyone[0]
     if all(theirs == first for theirs in everyone):
         return
@@ -245,7 +244,7 @@ def together(processes: Processes, work: Callable[[], T]) -> T:
     def compute(beat: Callable[[int], None]) -> None:
         done.append(work())
 
-    _gathered(processes, compute)
+    gather(processes, compute)
     return done[0]
 
 
@@ -275,7 +274,7 @@ def open_shared(
             beat(0)
         return [FileSummary.of(rank_file).to_json() for rank_file in files]
 
-    shares = _gathered(processes, compute)
+    shares = gather(processes, compute)
     summaries = [FileSummary.from_json(folder, data) for share in shares for data in share]
     return together(processes, lambda: SnapshotShare.assemble(folder, files, summaries))
 
@@ -376,64 +375,6 @@ def pick_device(choice: str) -> torch.device:
     return torch.device("cuda", index)
 
 
-def gather_pieces(
-    snapshot: Snapshot | SnapshotShare,
-    request: Request,
-    processes: Processes,
-    on_file: Callable[[RankFile], None] | None = None,
-    stage: str = "reading rank files",
-) -> list[Piece]:
-    """Every rank file's pieces, computed by the processes in turn (files i, i+N, ...).
-
-    Process 0 reports the rank files and bytes all the processes have read, as ``stage``
-    (:meth:`Processes.report`); ``on_file`` is called in each process after each of its files.
-
-    Raises:
-        StoppedTogether: any process's error (the first, by process rank), on every process.
-        GradstatError: some processes stopped moving (named by number), or, alone, the error.
-    """
-    everyone: Sequence[RankFile | FileSummary]
-    if isinstance(snapshot, SnapshotShare):
-        mine, everyone = snapshot.files, snapshot.summaries
-    else:
-        mine, everyone = tuple(processes.share(snapshot.files)), snapshot.files
-    ranks = [rank_file.rank for rank_file in mine]
-    total_bytes = sum(rank_file.size_bytes for rank_file in everyone)
-
-    def report(done: int, done_bytes: int) -> None:
-        progress = Progress(stage, done, len(everyone), "rank files", done_bytes, total_bytes)
-        processes.report(progress)
-
-    report(0, 0)
-    if processes.size == 1:
-        done = [0, 0]
-
-        def after_one(rank_file: RankFile) -> None:
-            done[0] += 1
-            done[1] += rank_file.size_bytes
-            report(*done)
-            if on_file is not None:
-                on_file(rank_file)
-
-        return snapshot_pieces(snapshot, request, ranks, after_one)
-
-    def compute(beat: Callable[[int], None]) -> list[dict[str, Any]]:
-        def after_file(rank_file: RankFile) -> None:
-            beat(rank_file.size_bytes)
-            if on_file is not None:
-                on_file(rank_file)
-
-        pieces = snapshot_pieces(snapshot, request, ranks, after_file)
-        return [asdict(piece) for piece in pieces]
-
-    shares = _gathered(processes, compute, report if processes.is_first else None)
-    report(len(everyone), total_bytes)
-    pieces = [_piece_from(data) for share in shares for data in share]
-    # Stable: each file's pieces stay in their order, files come in rank order.
-    pieces.sort(key=lambda piece: piece.rank)
-    return pieces
-
-
 def gather_jobs(
     processes: Processes,
     jobs: Sequence[T],
@@ -471,7 +412,7 @@ def gather_jobs(
         finished = itertools.count(1)
         shares = [json.loads(json.dumps(compute(lambda _: report(next(finished)))))]
     else:
-        shares = _gathered(processes, compute, report if processes.is_first else None)
+        shares = gather(processes, compute, report if processes.is_first else None)
     report(len(jobs))
     results: list[Any] = [None] * len(jobs)
     for share in shares:
@@ -480,7 +421,7 @@ def gather_jobs(
     return results
 
 
-def _gathered(
+def gather(
     processes: Processes,
     compute: Callable[[Callable[[int], None]], Any],
     watch: Callable[[int, int], None] | None = None,
@@ -658,17 +599,6 @@ class _Heartbeat:
                 f"({_last_line(error)}); the process holding it (process 0 without torchrun) "
                 f"failed or was lost"
             ) from error
-
-
-def _piece_from(data: dict[str, Any]) -> Piece:
-    found = data["nonfinite"]
-    return Piece(
-        **{
-            **data,
-            "norms": tuple(data["norms"]),
-            "nonfinite": None if found is None else NonFinite(**found),
-        }
-    )
 
 
 def _all_gather_bytes(blob: bytes, lengths: Sequence[int]) -> list[bytes]:
