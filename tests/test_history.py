@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import gradstat
-from gradstat.analysis.history import read_history, sparkline
+from gradstat.analysis.history import read_history
+from gradstat.cli.render import sparkline
 from gradstat.errors import SnapshotError
 from tests._oracle import float64_norm, zeros_in
 

@@ -28,15 +28,15 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from gradstat.analysis.report import AuditReport, Finding, snapshot_info
 from gradstat.analysis.stats import Request, counts, gather_pieces, merge, nan_max, relative_to
 from gradstat.analysis.tiles import MappedFiles, Tile, box, chunks, snapshot_tiles
-from gradstat.cli.report import SnapshotInfo, jsonable, snapshot_info
 from gradstat.distributed.runner import Processes, gather_jobs
 from gradstat.snapshot import RebuiltParam, Snapshot
 
@@ -66,32 +66,6 @@ _AGREED = (
     "shared",
     "shared_embedding",
 )
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One broken promise: which parameter, which ranks, how large, what it does to the norm."""
-
-    kind: str
-    name: str
-    ranks: tuple[int, ...]
-    detail: str
-    max_abs_diff: float | None  # the largest elementwise difference (from zero for padding)
-    rel_diff: float | None  # max_abs_diff relative to the largest |element| compared
-    norm_if_miscounted: float | None  # the global L2 norm, counted the other way
-    norm_change: float | None  # norm_if_miscounted / total_norm - 1
-
-
-@dataclass(frozen=True)
-class AuditReport:
-    snapshot: SnapshotInfo
-    rtol: float
-    total_norm: float
-    params_checked: int
-    findings: tuple[Finding, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        return dict(jsonable(asdict(self)))
 
 
 @dataclass

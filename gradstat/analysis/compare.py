@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from gradstat.analysis.report import (
+    CompareReport,
+    ParamDiff,
+    TotalDiff,
+    snapshot_info,
+)
 from gradstat.analysis.stats import (
     ParamStats,
     Request,
@@ -35,7 +40,6 @@ from gradstat.analysis.tiles import (
     segments,
     snapshot_tiles,
 )
-from gradstat.cli.report import SnapshotInfo, jsonable, snapshot_info
 from gradstat.distributed.runner import Processes, gather_jobs
 from gradstat.snapshot import Snapshot
 
@@ -57,56 +61,6 @@ def rel_diff(a: float, b: float) -> float:
 
 def _beyond(diff: float | None, rtol: float) -> bool:
     return diff is not None and not diff <= rtol  # NaN is beyond any tolerance
-
-
-@dataclass(frozen=True)
-class ParamDiff:
-    """One logical parameter in both snapshots (None where a side lacks it)."""
-
-    name: str
-    norm_a: float | None
-    norm_b: float | None
-    rel_diff: float | None
-    zeros_a: int | None
-    zeros_b: int | None
-    num_elements_a: int | None
-    num_elements_b: int | None
-    shape_a: tuple[int, ...] | None  # the full shape, where the side could be rebuilt
-    shape_b: tuple[int, ...] | None
-    max_abs_diff: float | None  # largest elementwise |a - b|, where both were rebuilt
-    rel_max_diff: float | None  # max_abs_diff relative to the largest |element| of both
-    not_rebuilt: str | None  # why there is no elementwise difference
-    flags: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class TotalDiff:
-    """A whole-model figure in both snapshots."""
-
-    measure: str
-    a: float | int  # counts are ints
-    b: float | int
-    rel_diff: float
-    flagged: bool
-
-
-@dataclass(frozen=True)
-class CompareReport:
-    a: SnapshotInfo
-    b: SnapshotInfo
-    rtol: float
-    totals: tuple[TotalDiff, ...]
-    params: tuple[ParamDiff, ...]
-    mismatches: tuple[str, ...]  # the flagged parameters, in module order
-
-    @property
-    def flagged(self) -> bool:
-        return bool(self.mismatches) or any(total.flagged for total in self.totals)
-
-    def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["flagged"] = self.flagged
-        return dict(jsonable(data))
 
 
 def _elementwise(tiles_a: list[Tile], tiles_b: list[Tile]) -> dict[str, Any]:

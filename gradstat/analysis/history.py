@@ -15,18 +15,13 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
-
+from gradstat.analysis.report import json_number
 from gradstat.analysis.stats import snapshot_stats
-from gradstat.cli.render import visible
-from gradstat.cli.report import json_number
 from gradstat.errors import SnapshotError
 from gradstat.snapshot.reader import Snapshot
 
@@ -34,12 +29,8 @@ __all__ = [
     "History",
     "ParamSeries",
     "find_snapshots",
-    "print_history",
     "read_history",
-    "sparkline",
 ]
-
-_BARS = "▁▂▃▄▅▆▇█"
 
 
 def find_snapshots(root: Path) -> list[Path]:
@@ -167,67 +158,3 @@ def _extend(
             series.jump_step, series.jump_kind = step, kind
     series.norms.append(norm)
     series.zeros.append(zeros)
-
-
-def sparkline(values: Iterable[float]) -> str:
-    """One character per value, scaled between the finite minimum and maximum; '!' for NaN or
-    inf. On a log scale when the values span more than two decades."""
-    values = list(values)
-    finite = [value for value in values if math.isfinite(value)]
-    if not finite:
-        return "!" * len(values)
-    logarithmic = min(finite) > 0 and max(finite) > 100 * min(finite)
-
-    def scaled(value: float) -> float:
-        return math.log10(value) if logarithmic else value
-
-    low, high = scaled(min(finite)), scaled(max(finite))
-    span = high - low
-    chars = []
-    for value in values:
-        if not math.isfinite(value):
-            chars.append("!")
-        else:
-            level = 0 if span == 0 else round((scaled(value) - low) / span * (len(_BARS) - 1))
-            chars.append(_BARS[level])
-    return "".join(chars)
-
-
-def _number(value: float) -> str:
-    return f"{value:.6g}" if math.isfinite(value) else f"[bold red]{value}[/]"
-
-
-def print_history(console: Console, history: History, top: int | None = 20) -> None:
-    """The total norm as a sparkline, then the parameters that jumped (earliest first) and the
-    largest of the rest, each with its own sparkline."""
-    totals = history.totals
-    finite = [value for value in totals if math.isfinite(value)]
-    span = f"{min(finite):.6g} .. {max(finite):.6g}" if finite else "no finite norm"
-    console.print(
-        f"{len(history.steps)} snapshots, steps {history.steps[0]} .. {history.steps[-1]}; "
-        f"total norm ({span}): {sparkline(totals)}"
-    )
-    rows = sorted(
-        history.params.values(),
-        key=lambda series: (
-            series.jump_step is None,
-            series.jump_step if series.jump_step is not None else 0,
-            -max((norm for norm in series.norms if math.isfinite(norm)), default=0.0),
-        ),
-    )
-    table = Table(title="per parameter, in step order")
-    for column in ("parameter", "first jump", "first norm", "last norm", "norm over steps"):
-        table.add_column(column, justify="left" if column == "parameter" else "right")
-    shown = rows if top is None else rows[:top]
-    for series in shown:
-        jump = "" if series.jump_step is None else f"{series.jump_kind} at {series.jump_step}"
-        table.add_row(
-            escape(visible(series.name)),
-            jump,
-            _number(series.norms[0]),
-            _number(series.norms[-1]),
-            sparkline(series.norms),
-        )
-    console.print(table)
-    if len(rows) > len(shown):
-        console.print(f"{len(rows) - len(shown)} more parameters (--top, or --json for all)")

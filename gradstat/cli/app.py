@@ -552,8 +552,8 @@ def norm(
     p = _parse_norm_type(norm_type)
     if max_norm is not None and not (math.isfinite(max_norm) and max_norm > 0):
         raise GradstatError(f"--max-norm must be a positive number, got {max_norm}")
+    from gradstat.analysis.report import norm_report
     from gradstat.cli.render import print_norm
-    from gradstat.cli.report import norm_report
 
     snapshot, stats, prints = _statistics(snapshot_dir, (p,), False, device, timeout, as_json)
     if not prints:
@@ -578,8 +578,8 @@ def zeros(
 
     Exit status 1 when every gradient is zero (a snapshot dumped before the backward pass?).
     """
+    from gradstat.analysis.report import zeros_report
     from gradstat.cli.render import print_zeros
-    from gradstat.cli.report import zeros_report
 
     snapshot, stats, prints = _statistics(snapshot_dir, (), True, device, timeout, as_json)
     if not prints:
@@ -623,8 +623,8 @@ def clip(
     p = _parse_norm_type(norm_type)
     if not (math.isfinite(max_norm) and max_norm > 0):
         raise GradstatError(f"--max-norm must be a positive number, got {max_norm}")
+    from gradstat.analysis.report import ClipReport
     from gradstat.cli.render import print_clip
-    from gradstat.cli.report import ClipReport
     from gradstat.clip_grads import clip_coefficient
     from gradstat.distributed.launcher import launch_rank
     from gradstat.distributed.runner import Progress
@@ -743,8 +743,8 @@ def inspect(
     snapshot_dir: SnapshotArg, as_json: JsonOption = False, status_file: StatusFileOption = None
 ) -> None:
     """What gradstat rebuilt: world size, axes, files, and each parameter's attributes."""
+    from gradstat.analysis.report import inspect_report
     from gradstat.cli.render import print_inspect
-    from gradstat.cli.report import inspect_report
     from gradstat.snapshot import Snapshot
 
     report = inspect_report(Snapshot.open(snapshot_dir))
@@ -779,7 +779,8 @@ def history(
     Each snapshot is read once, in step order; hidden ones (.step-N.partial) are skipped. Exit
     status 1 when a parameter's norm went NaN or Inf.
     """
-    from gradstat.analysis.history import print_history, read_history
+    from gradstat.analysis.history import read_history
+    from gradstat.cli.render import print_history
 
     p = _parse_norm_type(norm_type)
     if not (math.isfinite(factor) and factor > 1):

@@ -10,6 +10,7 @@ emoji otherwise. Importing this module is cheap (no torch): the CLI's error line
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -17,9 +18,16 @@ from rich.markup import escape
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from gradstat.analysis.audit import AuditReport
-    from gradstat.analysis.compare import CompareReport
-    from gradstat.cli.report import ClipReport, InspectReport, NormReport, SnapshotInfo, ZerosReport
+    from gradstat.analysis.history import History
+    from gradstat.analysis.report import (
+        AuditReport,
+        ClipReport,
+        CompareReport,
+        InspectReport,
+        NormReport,
+        SnapshotInfo,
+        ZerosReport,
+    )
     from gradstat.distributed.runner import Progress
 
 __all__ = [
@@ -27,9 +35,11 @@ __all__ = [
     "print_audit",
     "print_clip",
     "print_compare",
+    "print_history",
     "print_inspect",
     "print_norm",
     "print_zeros",
+    "sparkline",
     "visible",
 ]
 
@@ -340,3 +350,66 @@ class ProgressBars:
         if self._bars is not None:
             self._bars.stop()
             self._bars, self._tasks = None, {}
+
+
+_BARS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: Iterable[float]) -> str:
+    """One character per value, scaled between the finite minimum and maximum; '!' for NaN or
+    inf. On a log scale when the values span more than two decades."""
+    values = list(values)
+    finite = [value for value in values if math.isfinite(value)]
+    if not finite:
+        return "!" * len(values)
+    logarithmic = min(finite) > 0 and max(finite) > 100 * min(finite)
+
+    def scaled(value: float) -> float:
+        return math.log10(value) if logarithmic else value
+
+    low, high = scaled(min(finite)), scaled(max(finite))
+    span = high - low
+    chars = []
+    for value in values:
+        if not math.isfinite(value):
+            chars.append("!")
+        else:
+            level = 0 if span == 0 else round((scaled(value) - low) / span * (len(_BARS) - 1))
+            chars.append(_BARS[level])
+    return "".join(chars)
+
+
+def print_history(console: Console, history: History, top: int | None = 20) -> None:
+    """The total norm as a sparkline, then the parameters that jumped (earliest first) and the
+    largest of the rest, each with its own sparkline."""
+    totals = history.totals
+    finite = [value for value in totals if math.isfinite(value)]
+    span = f"{min(finite):.6g} .. {max(finite):.6g}" if finite else "no finite norm"
+    console.print(
+        f"{len(history.steps)} snapshots, steps {history.steps[0]} .. {history.steps[-1]}; "
+        f"total norm ({span}): {sparkline(totals)}"
+    )
+    rows = sorted(
+        history.params.values(),
+        key=lambda series: (
+            series.jump_step is None,
+            series.jump_step if series.jump_step is not None else 0,
+            -max((norm for norm in series.norms if math.isfinite(norm)), default=0.0),
+        ),
+    )
+    table = Table(title="per parameter, in step order")
+    for column in ("parameter", "first jump", "first norm", "last norm", "norm over steps"):
+        table.add_column(column, justify="left" if column == "parameter" else "right")
+    shown = rows if top is None else rows[:top]
+    for series in shown:
+        jump = "" if series.jump_step is None else f"{series.jump_kind} at {series.jump_step}"
+        table.add_row(
+            _shown(series.name),
+            jump,
+            _number(series.norms[0]),
+            _number(series.norms[-1]),
+            sparkline(series.norms),
+        )
+    console.print(table)
+    if len(rows) > len(shown):
+        console.print(f"{len(rows) - len(shown)} more parameters (--top, or --json for all)")

@@ -1,4 +1,5 @@
-"""Report rows: what the CLI shows, as frozen dataclasses; the table and the JSON render them.
+"""Every report gradstat makes, as frozen dataclasses with their JSON: norm, zeros, clip,
+inspect, compare and audit (the CLI's tables, ``gradstat.cli.render``, draw the same rows).
 
 Building a report needs computed statistics, but importing this module imports no torch, so
 the CLI can load it before deciding whether any work is needed.
@@ -16,10 +17,15 @@ if TYPE_CHECKING:
 from gradstat.snapshot import Snapshot, SnapshotShare
 
 __all__ = [
+    "AuditReport",
     "ClipReport",
+    "CompareReport",
+    "Finding",
     "InspectReport",
     "NormReport",
+    "ParamDiff",
     "SnapshotInfo",
+    "TotalDiff",
     "ZerosReport",
     "inspect_report",
     "json_number",
@@ -363,3 +369,82 @@ def _placement_notes(snapshot: Snapshot) -> tuple[str, ...]:
             f"coordinate (tp size {tp_size})"
         )
     return tuple(notes)
+
+
+# --- compare and audit ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParamDiff:
+    """One logical parameter in both snapshots (None where a side lacks it)."""
+
+    name: str
+    norm_a: float | None
+    norm_b: float | None
+    rel_diff: float | None
+    zeros_a: int | None
+    zeros_b: int | None
+    num_elements_a: int | None
+    num_elements_b: int | None
+    shape_a: tuple[int, ...] | None  # the full shape, where the side could be rebuilt
+    shape_b: tuple[int, ...] | None
+    max_abs_diff: float | None  # largest elementwise |a - b|, where both were rebuilt
+    rel_max_diff: float | None  # max_abs_diff relative to the largest |element| of both
+    not_rebuilt: str | None  # why there is no elementwise difference
+    flags: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class TotalDiff:
+    """A whole-model figure in both snapshots."""
+
+    measure: str
+    a: float | int  # counts are ints
+    b: float | int
+    rel_diff: float
+    flagged: bool
+
+
+@dataclass(frozen=True)
+class CompareReport:
+    a: SnapshotInfo
+    b: SnapshotInfo
+    rtol: float
+    totals: tuple[TotalDiff, ...]
+    params: tuple[ParamDiff, ...]
+    mismatches: tuple[str, ...]  # the flagged parameters, in module order
+
+    @property
+    def flagged(self) -> bool:
+        return bool(self.mismatches) or any(total.flagged for total in self.totals)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["flagged"] = self.flagged
+        return dict(jsonable(data))
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One broken promise: which parameter, which ranks, how large, what it does to the norm."""
+
+    kind: str
+    name: str
+    ranks: tuple[int, ...]
+    detail: str
+    max_abs_diff: float | None  # the largest elementwise difference (from zero for padding)
+    rel_diff: float | None  # max_abs_diff relative to the largest |element| compared
+    norm_if_miscounted: float | None  # the global L2 norm, counted the other way
+    norm_change: float | None  # norm_if_miscounted / total_norm - 1
+
+
+@dataclass(frozen=True)
+class AuditReport:
+    snapshot: SnapshotInfo
+    rtol: float
+    total_norm: float
+    params_checked: int
+    findings: tuple[Finding, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(jsonable(asdict(self)))
