@@ -1,13 +1,14 @@
-"""One process or many: split rank files over torchrun's processes and gather their pieces.
+"""One process or many: torchrun's processes join, open a snapshot in shares, and gather.
 
-Each process computes the pieces (a few numbers per counted tensor) of its share of the rank
-files, on its CPU or on ``cuda:LOCAL_RANK``; the pieces travel over a gloo group, so a failure
-raises instead of aborting, and rank 0 merges them in rank-file order: every number is bitwise
-what one process computes alone. A process that hits bad input sends its error instead, and
-every process raises it (:class:`StoppedTogether`: process 0 says it, the others keep quiet).
-Before anything is computed the processes check that they were all started with the same
-arguments on the same snapshot; a process that stops (killed, frozen, hung) is named by the
-others, whenever it stops. Process 0 also reports how far all of them are (:class:`Progress`).
+Each process does its share of the work (rank files i, i+N, ...; or jobs) and sends back JSON
+data (``analysis.stats.gather_pieces``: a few numbers per counted tensor); it travels over a
+gloo group, so a failure raises instead of aborting, and the callers merge it in rank-file or
+job order: every number is bitwise what one process computes alone. A process that hits bad
+input sends its error instead, and every process raises it (:class:`StoppedTogether`: process
+0 says it, the others keep quiet). Before anything is computed the processes check that they
+were all started with the same arguments on the same snapshot; a process that stops (killed,
+frozen, hung) is named by the others, whenever it stops. Process 0 also reports how far all of
+them are (:class:`Progress`).
 """
 
 from __future__ import annotations

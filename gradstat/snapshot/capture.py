@@ -22,7 +22,7 @@ from gradstat.core.axes import AXES, Axis
 from gradstat.core.groups import megatron_gtp_group, megatron_state
 from gradstat.core.predicates import gtp_local_pad_zero_count
 from gradstat.errors import SnapshotError
-from gradstat.snapshot.format import PLAIN_ATTRS
+from gradstat.snapshot.format import FRAGMENT_INHERITED_ATTRS
 from gradstat.snapshot.writer import save_rank
 
 __all__ = [
@@ -205,11 +205,6 @@ def named_gradients(
 
 
 # A fragment carries its model parameter's attributes; where it lies is its own.
-_FRAGMENT_ATTRS = tuple(
-    key for key in PLAIN_ATTRS if key not in ("gtp_pad_zeros", "fragment_offset", "fragment_shape")
-)
-
-
 def _optimizer_parts(optimizer: Any) -> list[Any]:
     """The innermost Megatron optimizers of ``optimizer``, stubs left out.
 
@@ -288,7 +283,7 @@ def _distributed_ranges(optimizer: Any) -> dict[int, tuple[Any, int, int]] | Non
 def _fragment(param: Any, start: int, end: int) -> types.SimpleNamespace:
     """What :func:`save_rank` reads of one fragment: attributes, ``main_grad``, shape."""
     grad = param.main_grad.view(-1)[start:end]
-    attrs = {key: getattr(param, key) for key in _FRAGMENT_ATTRS if hasattr(param, key)}
+    attrs = {key: getattr(param, key) for key in FRAGMENT_INHERITED_ATTRS if hasattr(param, key)}
     if getattr(param, "is_gtp_weight_remat", False):
         attrs["group"] = getattr(param, "group", None)
         attrs["gtp_pad_zeros"] = gtp_local_pad_zero_count(param, start, end)

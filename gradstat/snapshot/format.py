@@ -73,6 +73,12 @@ ATTRIBUTE_DEFAULTS: dict[str, Any] = {
 # GTP group's rank()/size(), fsdp_param from ``__fsdp_param__``).
 PLAIN_ATTRS = tuple(key for key in ATTRIBUTE_DEFAULTS if key not in ("gtp_group", "fsdp_param"))
 
+# What a distributed-optimizer fragment takes over from its parameter; the rest (its place in
+# the parameter, the GTP padding inside it) is the fragment's own.
+FRAGMENT_INHERITED_ATTRS = tuple(
+    key for key in PLAIN_ATTRS if key not in ("gtp_pad_zeros", "fragment_offset", "fragment_shape")
+)
+
 ATTRIBUTE_KINDS: dict[str, type] = {
     "tensor_model_parallel": bool,
     "partition_dim": int,

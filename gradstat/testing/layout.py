@@ -51,7 +51,7 @@ from torch import Tensor
 from gradstat.core.axes import DENSE_AXES, EXPERT_AXES
 from gradstat.core.groups import AxisPlace
 from gradstat.errors import GradstatError
-from gradstat.snapshot.format import PLAIN_ATTRS
+from gradstat.snapshot.format import FRAGMENT_INHERITED_ATTRS
 
 __all__ = [
     "Layout",
@@ -72,10 +72,7 @@ Split = Literal["column", "row", "none"]
 
 # Attributes a distributed-optimizer fragment copies from its model param (its own
 # gtp_pad_zeros stamp is computed for its range).
-_FRAGMENT_ATTRS = (
-    *(key for key in PLAIN_ATTRS if not key.startswith(("gtp_pad_zeros", "fragment_"))),
-    "group",
-)
+_FRAGMENT_ATTRS = (*FRAGMENT_INHERITED_ATTRS, "group")
 
 # Where a GTP shard (or a fragment of one) keeps its padding mask; save_rank never writes it.
 _PAD_MASK = "_gradstat_pad_mask"
