@@ -467,16 +467,20 @@ def test_huge_header_numbers_cost_what_the_files_do(
 
 # Truncates a rank file during a run, at a chosen moment, then runs the CLI:
 # "validated": right after Snapshot.open validated the snapshot holding it;
-# "mapped": right after it is first mapped, before any of its tensors is read.
+# "mapped": right after it is first mapped, before any of its tensors is read;
+# "kept": the same moment, for a small file read whole with its header (not mapped);
+# "never": not at all.
 TRUNCATING_RUN = """
 import sys
 from contextlib import contextmanager
 from pathlib import Path
 
 from gradstat.cli import main  # first: it quiets torch's import-time numpy warning
-from gradstat.snapshot import Snapshot, container
+from gradstat.snapshot import Snapshot, container, reader
 
 victim, keep, moment, *args = sys.argv[1:]
+if moment == "mapped":
+    reader.SMALL_FILE_BYTES = 0  # every file mapped
 
 
 def cut():
@@ -494,7 +498,7 @@ if moment == "validated":
         return snapshot
 
     Snapshot.open = classmethod(validate_then_cut)
-else:
+elif moment != "never":
     original, done = container.mapped, []
 
     @contextmanager
@@ -531,6 +535,22 @@ def test_file_truncated_during_a_run(moment: str, command: str, tmp_path: Path) 
     _one_error_line(result, str(victim), "the file changed while gradstat was reading it")
     assert _state(snapshot) == expected  # only the truncation: gradstat wrote nothing
     assert sorted(path.name for path in tmp_path.iterdir()) == ["snapshot"]
+
+
+def test_a_small_file_cut_after_it_was_read_gives_the_numbers_read(tmp_path: Path) -> None:
+    """A small rank file is read whole with its header; cut once its tensors are viewed in those
+    bytes, the numbers are the file's as it was read, the same as without the cut."""
+    snapshot = tmp_path / "snapshot"
+    shutil.copytree(SAMPLE, snapshot)
+    victim = snapshot / RANK1
+    (length,) = struct.unpack("<Q", victim.read_bytes()[:8])
+    args = ["norm", str(snapshot), "--json"]
+    untouched = _gradstat(TRUNCATING_RUN, str(victim), "0", "never", *args)
+    assert untouched.returncode == 0, untouched.stderr
+    result = _gradstat(TRUNCATING_RUN, str(victim), str(8 + length), "kept", *args)
+    assert result.returncode == 0, result.stderr
+    assert len(victim.read_bytes()) == 8 + length  # it was cut
+    assert json.loads(result.stdout) == json.loads(untouched.stdout)
 
 
 @pytest.mark.parametrize(

@@ -30,6 +30,7 @@ from gradstat.analysis.stats import snapshot_stats
 from gradstat.distributed.runner import Processes
 from gradstat.errors import GradstatError
 from gradstat.snapshot import Snapshot, save_rank
+from gradstat.snapshot.reader import Repeats, open_rank_file
 
 MUTANTS = 2000
 SEED = 20261129
@@ -176,6 +177,85 @@ def test_mutants_end_in_an_error_or_a_result(tmp_path: Path) -> None:
     outcome = campaign(tmp_path, MUTANTS)
     assert sum(outcome.values()) == MUTANTS
     assert outcome["error"] > MUTANTS // 2  # most mutants break something and are caught
+
+
+def _read(folder: Path, name: str, known: Repeats | None) -> Any:
+    """What reading one rank file gives: its error's message, or what it holds."""
+    try:
+        rank_file = open_rank_file(folder, name, known=known)
+    except GradstatError as error:
+        return str(error)
+    container = rank_file.container
+    return rank_file.header, container.metadata, container.slots, container.data_start
+
+
+def test_parts_repeated_from_files_read_before_read_as_the_whole_file(tmp_path: Path) -> None:
+    """A rank file's tensor layout and parameter list, when files read before held the same
+    text, are not checked again (``Repeats``): a mutant reads the same with and without them
+    known, to the error message."""
+    good = tmp_path / "good"
+    _good_snapshot(good)
+    originals = {path.name: path.read_bytes() for path in sorted(good.iterdir())}
+    known = Repeats()
+    for name in originals:
+        open_rank_file(good, name, known=known)
+    # Both ranks hold one list and one layout; their metadata differ (rank, coordinates).
+    assert len(known.layouts) == 1 and len(known.params) == 1
+    rng = random.Random(SEED)
+    trial = tmp_path / "trial"
+    trial.mkdir()
+    repeated = 0
+    for _ in range(MUTANTS):
+        victim = rng.choice(sorted(originals))
+        (trial / victim).write_bytes(_mutate(originals[victim], rng))
+        seen = Repeats(dict(known.layouts), dict(known.params))
+        result = _read(trial, victim, seen)
+        assert result == _read(trial, victim, None)
+        # Read, with both parts known: the mutant changed the file's own parts (or nothing).
+        repeated += seen == known and not isinstance(result, str)
+    assert repeated > MUTANTS // 100
+
+
+def _edges(text: str, data: bytes) -> dict[str, tuple[str, bytes]]:
+    """Rank files that a split at the known parts could read otherwise than a whole parse does:
+    each is the header's text and the data."""
+    header = json.loads(text)
+    meta = json.loads(header["__metadata__"]["gradstat"])
+    listed = json.dumps(meta["params"])
+    head = json.dumps({key: value for key, value in meta.items() if key != "params"})[:-1]
+    tensors = json.dumps({key: value for key, value in header.items() if key != "__metadata__"})
+    meta_object = header["__metadata__"]
+    extra = json.dumps({"dtype": "F32", "shape": [1], "data_offsets": [len(data), len(data) + 4]})
+
+    def with_meta(meta_text: str) -> tuple[str, bytes]:
+        return json.dumps({**header, "__metadata__": {"gradstat": meta_text}}), data
+
+    last = text.rstrip()[:-1]
+    return {
+        "metadata again, as a tensor": (f'{last},"__metadata__":{extra}}}', data + bytes(4)),
+        "a form feed after the header": (text.rstrip() + "\f", data),
+        "nothing after the metadata's comma": (text[: text.index(',"')] + ",}", b""),
+        "members after the list": with_meta(f'{head},"params":{listed},"triggers":["spike"]}}'),
+        "the list twice": with_meta(f'{head},"params":[],"params":{listed}}}'),
+        "the key in the list": with_meta(f'{head},"params":{listed[:-2]},"params":[]}}]}}'),
+        "junk after the list": with_meta(f'{head},"params":{listed}]}}'),
+        "metadata last": (f'{tensors[:-1]},"__metadata__":{json.dumps(meta_object)}}}', data),
+    }
+
+
+def test_headers_built_to_split_wrongly_read_as_a_whole_parse_reads(tmp_path: Path) -> None:
+    good = tmp_path / "good"
+    _good_snapshot(good)
+    known = Repeats()
+    names = sorted(path.name for path in good.iterdir())
+    for name in names:
+        open_rank_file(good, name, known=known)
+    trial = tmp_path / "trial"
+    trial.mkdir()
+    for edge, (header, data) in _edges(*_split((good / names[1]).read_bytes())).items():
+        (trial / names[1]).write_bytes(_join(header, data))
+        seen = Repeats(dict(known.layouts), dict(known.params))
+        assert _read(trial, names[1], seen) == _read(trial, names[1], None), edge
 
 
 if __name__ == "__main__":

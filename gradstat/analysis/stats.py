@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from gradstat.clip_grads import check_norm_type, grads_for_norm
-from gradstat.core import kernels
+from gradstat.core import kernels, native
 from gradstat.core.predicates import gtp_pad_zero_count, param_is_not_shared
 from gradstat.distributed.runner import Processes, Progress, gather
 from gradstat.errors import SnapshotError
@@ -213,14 +213,30 @@ class Request:
         finite = tuple(sorted(asked - {math.inf}, key=lambda p: (p != 2, p)))
         return cls(finite, math.inf in asked, zeros, torch.device(device))
 
+    @property
+    def one_pass(self) -> bool:
+        """Whether the native kernel's one pass gives some of it (L2, inf or zeros)."""
+        return self.zeros or self.with_inf or 2.0 in self.finite
 
-def _piece(rank_file: RankFile, param: RebuiltParam, request: Request) -> Piece:
+
+def _grad(param: RebuiltParam, request: Request) -> torch.Tensor:
+    """The gradient of a counted ``param``, where the request computes."""
     grad = param.grad
     assert grad is not None
     if grad.device != request.device:
         grad = param.grad = grad.to(request.device)
+    return grad
+
+
+def _piece(
+    rank_file: RankFile,
+    param: RebuiltParam,
+    grad: torch.Tensor,
+    request: Request,
+    fused: native.FusedStats | None,
+) -> Piece:
     stats = kernels.tensor_stats(
-        grad, request.finite, request.with_inf, request.zeros, request.device
+        grad, request.finite, request.with_inf, request.zeros, request.device, fused
     )
     norms, max_abs = stats.norms, stats.max_abs
     pad = gtp_pad_zero_count(param, grad)
@@ -250,7 +266,14 @@ def _piece(rank_file: RankFile, param: RebuiltParam, request: Request) -> Piece:
 def file_pieces(rank_file: RankFile, request: Request) -> list[Piece]:
     """The pieces of one rank file, in the file's parameter order (it is mapped meanwhile)."""
     with rank_file.params() as params:
-        pieces = [_piece(rank_file, param, request) for param in params if counts(rank_file, param)]
+        counted = [param for param in params if counts(rank_file, param)]
+        grads = [_grad(param, request) for param in counted]
+        # One native call for the file's fp32 tensors: small ones cost less than the call.
+        fused = native.fused_many_f32(grads) if request.one_pass else [None] * len(grads)
+        pieces = [
+            _piece(rank_file, param, grad, request, one_pass)
+            for param, grad, one_pass in zip(counted, grads, fused, strict=True)
+        ]
         _log.debug("%s: %d of %d tensors counted", rank_file.path, len(pieces), len(params))
         return pieces
 

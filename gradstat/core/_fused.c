@@ -125,6 +125,19 @@ static inline float bf16_to_float(uint16_t bits) {
         *max_abs = peak;                                                                        \
         *has_nan = nan_seen;                                                                    \
         return 0;                                                                               \
+    }                                                                                           \
+                                                                                                \
+    /* The same for each of count tensors, in one call (a rank file's small tensors: a call     \
+     * from Python costs more than such a tensor's pass). Returns 0, or -1 if out of memory. */ \
+    int32_t gradstat_fused_many_##NAME(const TYPE *const *xs, const int64_t *ns, int32_t count, \
+                                       int32_t threads, double *sum_squares, int64_t *zeros,    \
+                                       float *max_abs, int32_t *has_nan) {                      \
+        for (int32_t i = 0; i < count; i++) {                                                   \
+            if (gradstat_fused_##NAME(xs[i], ns[i], threads, sum_squares + i, zeros + i,        \
+                                      max_abs + i, has_nan + i) != 0)                           \
+                return -1;                                                                      \
+        }                                                                                       \
+        return 0;                                                                               \
     }
 
 DEFINE_FUSED(f32, float, LOAD_F32)

@@ -669,17 +669,23 @@ class TensorStats:
 
 
 def tensor_stats(
-    grad: Tensor, finite: Sequence[float], with_inf: bool, zeros: bool, device: torch.device
+    grad: Tensor,
+    finite: Sequence[float],
+    with_inf: bool,
+    zeros: bool,
+    device: torch.device,
+    fused: native.FusedStats | None = None,
 ) -> TensorStats:
     """The p-norms of one tensor for each p in ``finite``, its max |x| when ``with_inf``, and
     its zero count when ``zeros``, each as exact as :func:`norm` makes a norm.
 
     A CPU fp32 tensor gives its sum of squares, max |x|, NaN flag and zero count in one pass
     of the native kernel where it is built; its L2 norm is that sum's root unless the sum left
-    the range where fp32 squares are exact (then :func:`norm` recomputes it).
+    the range where fp32 squares are exact (then :func:`norm` recomputes it). ``fused``: that
+    pass, when the caller made it already (:func:`native.fused_many_f32`).
     """
-    wants_fused = zeros or with_inf or 2.0 in finite
-    fused = native.fused_f32(grad) if wants_fused else None
+    if fused is None and (zeros or with_inf or 2.0 in finite):
+        fused = native.fused_f32(grad)
 
     def one_norm(p: float) -> float:
         if p == 2 and fused is not None:

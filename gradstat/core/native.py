@@ -35,6 +35,7 @@ import subprocess
 import tempfile
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -44,7 +45,14 @@ import torch
 
 from gradstat.errors import NativeKernelWarning
 
-__all__ = ["FusedStats", "fused", "fused_f32", "native_kernel", "native_library"]
+__all__ = [
+    "FusedStats",
+    "fused",
+    "fused_f32",
+    "fused_many_f32",
+    "native_kernel",
+    "native_library",
+]
 
 _SOURCE = Path(__file__).with_name("_fused.c")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
@@ -199,6 +207,18 @@ def native_library() -> Any:
             ctypes.POINTER(ctypes.c_float),
             ctypes.POINTER(ctypes.c_int32),
         ]
+        many = getattr(library, f"gradstat_fused_many_{dtype_name}")
+        many.restype = ctypes.c_int32
+        many.argtypes = [
+            ctypes.POINTER(ctypes.c_void_p),
+            ctypes.POINTER(ctypes.c_int64),
+            ctypes.c_int32,
+            ctypes.c_int32,
+            ctypes.POINTER(ctypes.c_double),
+            ctypes.POINTER(ctypes.c_int64),
+            ctypes.POINTER(ctypes.c_float),
+            ctypes.POINTER(ctypes.c_int32),
+        ]
     return library
 
 
@@ -213,9 +233,10 @@ _ENTRY_POINTS = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 @cache
-def _entry_point(dtype_name: str) -> Any:
+def _entry_point(name: str) -> Any:
+    """The library's ``gradstat_fused_<name>`` ("f32", "many_bf16", ...), or None."""
     library = native_library()
-    return None if library is None else getattr(library, f"gradstat_fused_{dtype_name}")
+    return None if library is None else getattr(library, f"gradstat_fused_{name}")
 
 
 @cache
@@ -253,3 +274,41 @@ def fused(grad: torch.Tensor) -> FusedStats | None:
 def fused_f32(grad: torch.Tensor) -> FusedStats | None:
     """:func:`fused` for fp32 tensors only (the snapshot reader's and the zero count's path)."""
     return fused(grad) if grad.dtype == torch.float32 else None
+
+
+def fused_many_f32(grads: Sequence[torch.Tensor]) -> list[FusedStats | None]:
+    """:func:`fused_f32` of each of ``grads``, the CPU fp32 ones in a single call.
+
+    A rank file's tensors are often small: one call from Python costs more than a pass over a
+    few thousand elements (8192 files of 4 tensors: 12 us per call, against 2 us per tensor in
+    one call). The statistics are the same bits as one call per tensor gives.
+    """
+    found: list[FusedStats | None] = [None] * len(grads)
+    chosen = [
+        index
+        for index, grad in enumerate(grads)
+        if grad.dtype == torch.float32 and grad.device.type == "cpu"
+    ]
+    function = _entry_point("many_f32") if chosen else None
+    if function is None:
+        return found
+    flats = [grads[index].contiguous() for index in chosen]
+    count = len(flats)
+    sums, zeros = (ctypes.c_double * count)(), (ctypes.c_int64 * count)()
+    peaks, nans = (ctypes.c_float * count)(), (ctypes.c_int32 * count)()
+    status = function(
+        (ctypes.c_void_p * count)(*(flat.data_ptr() for flat in flats)),
+        (ctypes.c_int64 * count)(*(flat.numel() for flat in flats)),
+        count,
+        torch.get_num_threads(),
+        sums,
+        zeros,
+        peaks,
+        nans,
+    )
+    if status != 0:
+        return found  # out of memory for the per-chunk sums: let PyTorch do it
+    _say_used("f32")
+    for slot, index in enumerate(chosen):
+        found[index] = FusedStats(sums[slot], zeros[slot], peaks[slot], bool(nans[slot]))
+    return found

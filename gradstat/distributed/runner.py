@@ -40,7 +40,7 @@ from gradstat.distributed.launcher import launch_rank, launched
 from gradstat.errors import GradstatError, StoppedTogether
 from gradstat.snapshot import RankFile, Snapshot, SnapshotShare
 from gradstat.snapshot.container import MAX_HEADER_BYTES
-from gradstat.snapshot.reader import FileSummary, open_rank_file, rank_file_names
+from gradstat.snapshot.reader import FileSummary, open_rank_files, rank_file_names
 
 T = TypeVar("T")
 
@@ -270,8 +270,8 @@ def open_shared(
     files: list[RankFile] = []
 
     def compute(beat: Callable[[int], None]) -> list[dict[str, Any]]:
-        for name in processes.share(rank_file_names(folder)):
-            files.append(open_rank_file(folder, name))
+        for rank_file in open_rank_files(folder, processes.share(rank_file_names(folder))):
+            files.append(rank_file)
             beat(0)
         return [FileSummary.of(rank_file).to_json() for rank_file in files]
 

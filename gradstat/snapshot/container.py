@@ -45,6 +45,7 @@ from gradstat.snapshot.format import (
     DTYPES,
     fits_torch,
     load_json,
+    scan_json,
     supported_dtypes,
 )
 
@@ -74,7 +75,14 @@ class FileStamp:
 
     @classmethod
     def of(cls, fd: int) -> FileStamp:
-        status = os.fstat(fd)
+        return cls._from(os.fstat(fd))
+
+    @classmethod
+    def of_path(cls, path: Path) -> FileStamp:
+        return cls._from(os.stat(path))
+
+    @classmethod
+    def _from(cls, status: os.stat_result) -> FileStamp:
         return cls(status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns)
 
     def change(self, now: FileStamp) -> str | None:
@@ -98,6 +106,20 @@ class Container:
     slots: dict[str, TensorSlot]
     data_start: int
     stamp: FileStamp
+    # The whole file, when it was read whole with its header (see ``read_container``).
+    data: bytearray | None = None
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """The tensors of a safetensors header: their slots, and where the last one ends."""
+
+    slots: dict[str, TensorSlot]
+    end: int
+
+
+# The tensor layouts of files read before, by the text of the header after its metadata.
+KnownLayouts = dict[str, TensorLayout]
 
 
 def _changed(path: Path, how: str) -> SnapshotError:
@@ -107,8 +129,13 @@ def _changed(path: Path, how: str) -> SnapshotError:
     )
 
 
-def read_container(path: Path) -> Container:
-    """Parse and validate the safetensors header of ``path`` (the data is not read).
+def read_container(path: Path, keep_up_to: int = 0, known: KnownLayouts | None = None) -> Container:
+    """Parse and validate the safetensors header of ``path``.
+
+    The data is not read, unless the file is no larger than ``keep_up_to`` bytes: then it is
+    read whole, in one read, and kept (``Container.data``), so that its tensors need neither a
+    second open nor a map (a small file's open and map cost more than its bytes). ``known``:
+    the tensor layouts of the files read before (see :func:`_known_slots`), this one's added.
 
     Raises:
         SnapshotError: naming the file and what is wrong with it.
@@ -117,44 +144,99 @@ def read_container(path: Path) -> Container:
         with open(path, "rb") as file:
             stamp = FileStamp.of(file.fileno())
             size = stamp.size
-            prefix = file.read(8)
+            data = None
+            if size <= keep_up_to:  # gradstat's own copy, which its tensors may view writably
+                data = bytearray(size)
+                del data[file.readinto(data) :]
+            prefix = file.read(8) if data is None else data
             if len(prefix) < 8:
                 raise SnapshotError(
                     f"{path}: {size} bytes is too short for a safetensors file (needs 8 or more)"
                 )
-            (header_len,) = struct.unpack("<Q", prefix)
+            (header_len,) = struct.unpack_from("<Q", prefix)
             if header_len > min(size - 8, MAX_HEADER_BYTES):
                 raise SnapshotError(
                     f"{path}: header length {header_len} exceeds the file's {size} bytes "
                     f"(truncated, or not a safetensors file)"
                 )
-            raw = file.read(header_len)
+            raw = file.read(header_len) if data is None else data[8 : 8 + header_len]
     except OSError as error:
         raise SnapshotError(f"{path}: cannot read ({error.strerror or error})") from error
+    if data is not None and len(data) != size:
+        raise _changed(path, f"it ends after {len(data)} of {size} bytes")
     if len(raw) != header_len:
         raise _changed(path, f"its header ends after {len(raw)} of {header_len} bytes")
     try:
         text = raw.decode("utf-8")
-        header = load_json(path, text, "header")
     except UnicodeDecodeError as error:
         raise SnapshotError(f"{path}: header is not UTF-8 (not a safetensors file)") from error
+    data_start = 8 + header_len
+    split = None if known is None else _known_slots(path, text, known)
+    if split is not None and split[1].end == size - data_start:
+        metadata, layout = split
+        return Container(path, metadata, layout.slots, data_start, stamp, data)
+    try:
+        header = load_json(path, text, "header")
     except ValueError as error:
         raise SnapshotError(f"{path}: header is not JSON (not a safetensors file)") from error
     if not isinstance(header, dict):
         raise SnapshotError(f"{path}: header is not a JSON object")
     metadata = header.pop("__metadata__", {})
-    if not isinstance(metadata, dict) or not all(
-        isinstance(value, str) for value in metadata.values()
-    ):
+    if not _string_map(metadata):
         raise SnapshotError(f"{path}: __metadata__ must map strings to strings")
-    data_start = 8 + header_len
     slots = {name: _slot(path, name, entry) for name, entry in header.items()}
     _check_tiling(path, slots, size - data_start)
-    return Container(path, metadata, slots, data_start, stamp)
+    return Container(path, metadata, slots, data_start, stamp, data)
+
+
+def _string_map(value: Any) -> bool:
+    return type(value) is dict and all(type(item) is str for item in value.values())
+
+
+_METADATA_FIRST = '{"__metadata__":'
+
+
+def _known_slots(
+    path: Path, text: str, known: KnownLayouts
+) -> tuple[dict[str, str], TensorLayout] | None:
+    """The header's metadata, and its tensors' layout checked once per distinct text: the rank
+    files of a snapshot mostly hold the same tensors and differ in the metadata alone.
+
+    Safetensors headers written by gradstat (and the safetensors library) begin with the
+    metadata. Its value is parsed where it stands; the rest, ``{`` and what follows its
+    comma, parses as the object of the tensors' entries when the whole does (``__metadata__``
+    not among them, at least one entry). None when the header is not so split: the caller
+    parses it whole and words any error.
+    """
+    if not text.startswith(_METADATA_FIRST):
+        return None
+    found = scan_json(text, len(_METADATA_FIRST))
+    if found is None or not _string_map(found[0]) or text[found[1] : found[1] + 1] != ",":
+        return None
+    # JSON's whitespace: the padding after the header differs with the metadata's length.
+    rest = text[found[1] + 1 :].rstrip(" \t\n\r")
+    layout = known.get(rest)
+    if layout is None:
+        entries = scan_json("{" + rest, 0)
+        if (
+            entries is None
+            or entries[1] != len(rest) + 1
+            or type(entries[0]) is not dict
+            or not entries[0]
+            or "__metadata__" in entries[0]
+        ):
+            return None
+        try:
+            slots = {name: _slot(path, name, entry) for name, entry in entries[0].items()}
+            end = _check_tiling(path, slots, None)
+        except SnapshotError:
+            return None
+        layout = known[rest] = TensorLayout(slots, end)
+    return found[0], layout
 
 
 def _slot(path: Path, name: str, entry: Any) -> TensorSlot:
-    if not isinstance(entry, dict):
+    if type(entry) is not dict:
         raise SnapshotError(f"{path}: tensor {name!r}: entry is not a JSON object")
     code, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if code not in CODE_NAMES:
@@ -162,21 +244,22 @@ def _slot(path: Path, name: str, entry: Any) -> TensorSlot:
             f"{path}: tensor {name!r}: dtype {code!r} is not supported; "
             f"supported: {supported_dtypes()}"
         )
-    if not isinstance(shape, list) or not all(type(dim) is int and dim >= 0 for dim in shape):
+    if type(shape) is not list or not _sizes(shape):
         raise SnapshotError(f"{path}: tensor {name!r}: shape {shape!r} is not a list of sizes")
     if not fits_torch(shape):
         raise SnapshotError(
             f"{path}: tensor {name!r}: shape {shape} is too large for torch (its sizes are 64-bit)"
         )
-    if (
-        not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(type(value) is int for value in offsets)
-        or not 0 <= offsets[0] <= offsets[1]
+    if not (
+        type(offsets) is list
+        and len(offsets) == 2
+        and type(offsets[0]) is int
+        and type(offsets[1]) is int
+        and 0 <= offsets[0] <= offsets[1]
     ):
         raise SnapshotError(f"{path}: tensor {name!r}: data_offsets {offsets!r} are not a range")
     dtype = CODE_NAMES[code]
-    expected = math.prod(shape) * DTYPES[dtype][0].itemsize
+    expected = math.prod(shape) * _ITEM_SIZES[dtype]
     if offsets[1] - offsets[0] != expected:
         raise SnapshotError(
             f"{path}: tensor {name!r}: {offsets[1] - offsets[0]} bytes for shape {shape} of "
@@ -185,22 +268,36 @@ def _slot(path: Path, name: str, entry: Any) -> TensorSlot:
     return TensorSlot(dtype, tuple(shape), offsets[0], offsets[1])
 
 
-def _check_tiling(path: Path, slots: dict[str, TensorSlot], data_len: int) -> None:
+_ITEM_SIZES = {name: torch_dtype.itemsize for name, (torch_dtype, _) in DTYPES.items()}
+
+
+def _sizes(values: list[Any]) -> bool:
+    """Whether ``values`` are all integers >= 0 (true and false are not)."""
+    return set(map(type, values)) <= {int} and min(values, default=0) >= 0
+
+
+def _check_tiling(path: Path, slots: dict[str, TensorSlot], data_len: int | None) -> int:
+    """Check that the tensors' byte ranges tile the data section, of ``data_len`` bytes (None:
+    whatever length they end at); returns that length."""
     position = 0
     for name, slot in sorted(slots.items(), key=lambda item: (item[1].start, item[1].end)):
         if slot.start != position:
             problem = "overlaps the previous tensor" if slot.start < position else "leaves a gap"
             raise SnapshotError(f"{path}: tensor {name!r}: byte range {problem}")
         position = slot.end
+    if data_len is None:
+        return position
     if position != data_len:
         problem = "is truncated" if position > data_len else "has trailing bytes"
         raise SnapshotError(
             f"{path}: file {problem}: tensors need {position} data bytes, it has {data_len}"
         )
+    return position
 
 
 class MappedTensors(dict[str, torch.Tensor]):
-    """A mapped rank file's tensors by name, as read-only views of the map.
+    """A mapped rank file's tensors by name, as read-only views of the map (or of the bytes
+    kept when the file was read whole).
 
     ``tensors[name]`` first checks, through the map's own descriptor, that the file still has
     the size it was validated at: a page that a truncation cut off faults with SIGBUS when
@@ -208,40 +305,48 @@ class MappedTensors(dict[str, torch.Tensor]):
     and the caller's last touch of that tensor (one tensor's passes): a truncation landing there
     still kills the process. Reading the file instead of mapping it would close the window, but
     a read pass took 2.5 to 5.7 times as long as a mapped one (16 x 64 MiB fp32, page cache
-    warm, fused norm pass), so the map stays. ``get`` and iteration skip the check; look up
-    with ``[]`` right before reading a tensor.
+    warm, fused norm pass), so the map stays for all but small files. ``get`` and iteration
+    skip the check; look up with ``[]`` right before reading a tensor. Kept bytes need no check.
     """
 
-    def __init__(self, container: Container, view: mmap.mmap) -> None:
+    def __init__(self, container: Container, view: mmap.mmap | bytearray) -> None:
         super().__init__()
         self._path = container.path
         self._size = container.stamp.size
-        self._view = view
+        self._map = view if isinstance(view, mmap.mmap) else None
+        if self._map is None:  # gradstat's own copy of a small file
+            self._view(container, view)
+            return
         with warnings.catch_warnings():
             # The map is read-only and gradstat never writes through it.
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            for name, slot in container.slots.items():
-                count = math.prod(slot.shape)
-                dtype = DTYPES[slot.dtype][0]
-                if count == 0:
-                    self[name] = torch.empty(slot.shape, dtype=dtype)
-                    continue
-                flat = torch.frombuffer(
-                    view, dtype=dtype, count=count, offset=container.data_start + slot.start
-                )
-                self[name] = flat.view(slot.shape)
+            self._view(container, view)
+
+    def _view(self, container: Container, view: mmap.mmap | bytearray) -> None:
+        for name, slot in container.slots.items():
+            count = math.prod(slot.shape)
+            dtype = DTYPES[slot.dtype][0]
+            if count == 0:
+                self[name] = torch.empty(slot.shape, dtype=dtype)
+                continue
+            flat = torch.frombuffer(
+                view, dtype=dtype, count=count, offset=container.data_start + slot.start
+            )
+            self[name] = flat.view(slot.shape)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         tensor = super().__getitem__(name)
-        size = self._view.size()  # an fstat of the map's descriptor: the file as it is now
-        if size != self._size:
-            raise _changed(self._path, f"now {size} bytes, {self._size} when checked")
+        if self._map is not None:
+            size = self._map.size()  # an fstat of the map's descriptor: the file as it is now
+            if size != self._size:
+                raise _changed(self._path, f"now {size} bytes, {self._size} when checked")
         return tensor
 
 
 @contextmanager
 def mapped(container: Container) -> Iterator[MappedTensors]:
-    """Memory-map the file and yield its tensors as read-only views (no copies).
+    """Memory-map the file and yield its tensors as read-only views (no copies); of a file read
+    whole, views of the bytes read, once the file is found unchanged.
 
     The views are valid inside the ``with`` block only; nothing may write to them.
 
@@ -249,6 +354,9 @@ def mapped(container: Container) -> Iterator[MappedTensors]:
         SnapshotError: the file cannot be mapped, or it changed since ``read_container`` read
             it (then, or later when a tensor is looked up).
     """
+    if container.data is not None:
+        yield from _kept(container, container.data)
+        return
     try:
         with open(container.path, "rb") as file:
             change = container.stamp.change(FileStamp.of(file.fileno()))
@@ -267,6 +375,20 @@ def mapped(container: Container) -> Iterator[MappedTensors]:
         # A caller that kept a tensor alive keeps the map: it closes with the last view.
         with contextlib.suppress(BufferError):
             view.close()
+
+
+def _kept(container: Container, data: bytearray) -> Iterator[MappedTensors]:
+    try:
+        change = container.stamp.change(FileStamp.of_path(container.path))
+    except OSError as error:
+        raise SnapshotError(f"{container.path}: cannot open ({error.strerror or error})") from error
+    if change is not None:
+        raise _changed(container.path, change)
+    tensors = MappedTensors(container, data)
+    try:
+        yield tensors
+    finally:
+        tensors.clear()
 
 
 def write_container(

@@ -26,6 +26,7 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +112,8 @@ def fits_torch(shape: Sequence[int], scale: int = 1) -> bool:
     Each size, a 0 taken as 1, multiplies in; the check stops as soon as the limit is passed, so
     a header's huge numbers cost no huge arithmetic.
     """
+    if len(shape) <= 8 and 0 not in shape:  # a tensor's shape: its product costs nothing
+        return math.prod(shape, start=scale) <= _TORCH_SIZE_LIMIT
     total = scale
     for size in shape:
         total *= max(size, 1)
@@ -158,6 +161,16 @@ def load_json(path: Path, text: str, what: str) -> Any:
         ) from error
 
 
+def scan_json(text: str, index: int) -> tuple[Any, int] | None:
+    """The JSON value at ``text[index]`` and the index after it, read as :func:`load_json` reads
+    (no key twice); None where no such value begins there."""
+    try:
+        value, end = _DECODER.raw_decode(text, index)
+    except (ValueError, _DuplicateKey, RecursionError):
+        return None
+    return value, end
+
+
 # A DTensor gradient's placement on its mesh (placements decide what counts).
 DTensorRecord = MeshPlacement
 
@@ -176,6 +189,13 @@ class ParamRecord:
 
     def attr(self, key: str) -> Any:
         return self.attrs.get(key, ATTRIBUTE_DEFAULTS[key])
+
+    @cached_property
+    def plain_attrs(self) -> dict[str, Any]:
+        """The attributes a parameter rebuilt from this record carries: each of PLAIN_ATTRS,
+        its default where the record has none; one that is None is left out (absent)."""
+        values = {key: self.attr(key) for key in PLAIN_ATTRS}
+        return {key: value for key, value in values.items() if value is not None}
 
     @property
     def numel(self) -> int:
@@ -211,10 +231,11 @@ class RankHeader:
             "coords": {axis: list(place) for axis, place in self.coords.items()},
             "distributed_optimizer": self.distributed_optimizer,
             "grad_attr": self.grad_attr,
-            "params": [_param_to_json(record) for record in self.params],
         }
         if self.triggers:
             document["triggers"] = list(self.triggers)
+        # Last: a reader finds the list's text without parsing (see ``KnownParams``).
+        document["params"] = [_param_to_json(record) for record in self.params]
         return json.dumps(document, separators=(",", ":"))
 
 
@@ -246,17 +267,33 @@ def _optional_list(values: tuple[Any, ...] | None) -> list[Any] | None:
 
 
 class _Fields:
-    """Typed access to one JSON object, with errors that name the file and the field."""
+    """Typed access to one JSON object, with errors that name the file and the field.
 
-    def __init__(self, path: Path, where: str, data: Any) -> None:
-        if not isinstance(data, dict):
-            raise SnapshotError(f"{path}: {where} is not a JSON object")
-        self.path, self.where, self.data = path, where, data
+    ``where`` names the object; with ``subject``, it is a template that takes it (``"params[{}]"``
+    and 3), worded only when an error needs it: a header has thousands of objects, all sound.
+    """
+
+    def __init__(self, path: Path, where: str, data: Any, subject: object = None) -> None:
+        self.path, self.data = path, data
+        self.name(where, subject)
+        if type(data) is not dict:
+            raise SnapshotError(f"{path}: {self.where} is not a JSON object")
+
+    def name(self, where: str, subject: object = None) -> None:
+        """Name the object anew (a parameter once its name is read)."""
+        self._where, self._subject = where, subject
+
+    @property
+    def where(self) -> str:
+        return self._where if self._subject is None else self._where.format(self._subject)
 
     def fail(self, message: str) -> SnapshotError:
         return SnapshotError(f"{self.path}: {self.where}: {message}")
 
     def get(self, key: str, kind: type | tuple[type, ...], optional: bool = False) -> Any:
+        value = self.data.get(key)
+        if type(value) is kind:  # JSON gives exact types; the checks below word a mismatch
+            return value
         if key not in self.data:
             if optional:
                 return None
@@ -273,7 +310,7 @@ class _Fields:
 
     def ints(self, key: str, minimum: int = 0) -> tuple[int, ...]:
         values = self.get(key, list)
-        if not all(type(value) is int and value >= minimum for value in values):
+        if not set(map(type, values)) <= {int} or min(values, default=minimum) < minimum:
             raise self.fail(f"field {key!r} must be a list of integers >= {minimum}")
         return tuple(values)
 
@@ -302,14 +339,55 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
     return " or ".join(names.get(k, k.__name__) for k in _as_tuple(kind))
 
 
-def parse_header(path: Path, text: str) -> RankHeader:
+# The parameter records of rank files already read, by the text of their JSON list.
+KnownParams = dict[str, tuple["ParamRecord", ...]]
+
+_PARAMS_KEY = '"params":'
+
+
+def _known_params(
+    path: Path, text: str, known: KnownParams
+) -> tuple[dict[str, Any], tuple[ParamRecord, ...]] | None:
+    """The metadata without its parameter list, and the list's records, parsed and checked
+    once per distinct list text: a snapshot's rank files repeat each other's lists (data-parallel
+    replicas, tensor-parallel shards, pipeline stages of the same layers), and a list costs
+    more to check than the rest of the file.
+
+    gradstat writes the list last: the text is ``head + list + "}"``, ``head`` ending in
+    ``"params":``. When ``head + "null}"`` parses, as an object, that key is the object's own and
+    the list's text (a JSON value) is the whole of what follows, so the two parts parse as the
+    whole does. None when the text is not so split (another writer's order, a malformed
+    file): the caller parses it whole and words any error.
+    """
+    at = text.rfind(_PARAMS_KEY)
+    if at < 0 or not text.endswith("}"):
+        return None
+    head, listed = text[: at + len(_PARAMS_KEY)], text[at + len(_PARAMS_KEY) : -1]
+    try:
+        document = load_json(path, head + "null}", "gradstat metadata")
+        records = known.get(listed)
+        if records is None:
+            entries = load_json(path, listed, "gradstat metadata")
+            if type(entries) is not list:
+                return None
+            records = known[listed] = _parse_params(path, entries)
+    except (ValueError, SnapshotError):
+        return None
+    return document, records
+
+
+def parse_header(path: Path, text: str, known: KnownParams | None = None) -> RankHeader:
     """Parse and check the gradstat metadata of ``path``.
+
+    ``known``: parameter records of rank files already read, by their list's text; this
+    file's are added (see :func:`_known_params`).
 
     Raises:
         SnapshotError: not a gradstat snapshot, another format version, or a malformed field.
     """
+    split = None if known is None else _known_params(path, text, known)
     try:
-        document = load_json(path, text, "gradstat metadata")
+        document = load_json(path, text, "gradstat metadata") if split is None else split[0]
     except ValueError as error:
         raise SnapshotError(f"{path}: gradstat metadata is not valid JSON ({error})") from error
     top = _Fields(path, "gradstat metadata", document)
@@ -329,14 +407,7 @@ def parse_header(path: Path, text: str) -> RankHeader:
     grad_attr = top.get("grad_attr", str)
     if grad_attr not in GRAD_ATTRS:
         raise top.fail(f"grad_attr {grad_attr!r} is not one of {', '.join(GRAD_ATTRS)}")
-    params = tuple(
-        _parse_param(path, index, entry) for index, entry in enumerate(top.get("params", list))
-    )
-    names: set[str] = set()
-    for record in params:
-        if record.name in names:
-            raise top.fail(f"parameter {record.name!r} is listed twice")
-        names.add(record.name)
+    params = _parse_params(path, top.get("params", list)) if split is None else split[1]
     triggers = top.get("triggers", list, optional=True) or []
     if not all(isinstance(trigger, str) for trigger in triggers):
         raise top.fail("triggers must be a list of strings")
@@ -353,38 +424,58 @@ def parse_header(path: Path, text: str) -> RankHeader:
     )
 
 
+_UNSPLIT = [0, 1]
+
+
+def _parse_params(path: Path, entries: list[Any]) -> tuple[ParamRecord, ...]:
+    params = tuple(_parse_param(path, index, entry) for index, entry in enumerate(entries))
+    names: set[str] = set()
+    for record in params:
+        if record.name in names:
+            raise SnapshotError(
+                f"{path}: gradstat metadata: parameter {record.name!r} is listed twice"
+            )
+        names.add(record.name)
+    return params
+
+
 def _parse_coords(fields: _Fields) -> dict[str, tuple[int, int]]:
-    unknown = sorted(set(fields.data) - set(AXES))
-    if unknown:
+    if not fields.data.keys() <= _AXIS_NAMES:
+        unknown = sorted(fields.data.keys() - _AXIS_NAMES)
         raise fields.fail(f"unknown axis {unknown[0]!r} (axes: {', '.join(AXES)})")
     coords = {}
     for axis in AXES:
-        place = fields.data.get(axis, [0, 1])
-        if (
-            not isinstance(place, list)
-            or len(place) != 2
-            or not all(type(value) is int for value in place)
-            or not 0 <= place[0] < place[1]
+        place = fields.data.get(axis, _UNSPLIT)
+        if not (
+            type(place) is list
+            and len(place) == 2
+            and type(place[0]) is int
+            and type(place[1]) is int
+            and 0 <= place[0] < place[1]
         ):
             raise fields.fail(f"axis {axis!r} is {place!r}; expected [rank_on_axis, size]")
         coords[axis] = (place[0], place[1])
     return coords
 
 
+_AXIS_NAMES = frozenset(AXES)
+
+
 def _parse_param(path: Path, index: int, entry: Any) -> ParamRecord:
-    fields = _Fields(path, f"params[{index}]", entry)
+    fields = _Fields(path, "params[{}]", entry, index)
     name = fields.get("name", str)
-    fields.where = f"parameter {name!r}"
+    fields.name("parameter {!r}", name)
     has_grad = fields.get("grad", bool)
     dtype = fields.get("dtype", str, optional=not has_grad)
     if dtype is not None and dtype not in DTYPES:
         raise fields.fail(f"dtype {dtype!r} is not supported; supported: {supported_dtypes()}")
-    attrs = _Fields(path, f"parameter {name!r} attrs", fields.get("attrs", dict))
-    unknown = sorted(set(attrs.data) - set(ATTRIBUTE_DEFAULTS))
-    if unknown:
+    attrs = _Fields(path, "parameter {!r} attrs", fields.get("attrs", dict), name)
+    if not attrs.data.keys() <= ATTRIBUTE_KINDS.keys():
+        unknown = sorted(attrs.data.keys() - ATTRIBUTE_KINDS.keys())
         raise attrs.fail(f"unknown attribute {unknown[0]!r}")
-    for key in attrs.data:
-        attrs.get(key, ATTRIBUTE_KINDS[key], optional=True)
+    for key, value in attrs.data.items():
+        if type(value) is not ATTRIBUTE_KINDS[key]:
+            attrs.get(key, ATTRIBUTE_KINDS[key], optional=True)
     gtp_group = attrs.data.get("gtp_group")
     if gtp_group is not None and (
         len(gtp_group) != 2
@@ -395,7 +486,7 @@ def _parse_param(path: Path, index: int, entry: Any) -> ParamRecord:
     dtensor_data = fields.get("dtensor", dict, optional=True)
     dtensor = None
     if dtensor_data is not None:
-        dtensor = _parse_dtensor(_Fields(path, f"parameter {name!r} dtensor", dtensor_data))
+        dtensor = _parse_dtensor(_Fields(path, "parameter {!r} dtensor", dtensor_data, name))
     shape = fields.sizes("shape")
     if dtensor is not None and dtensor.global_offset is not None:
         box = zip(dtensor.global_offset, shape, dtensor.global_shape, strict=False)

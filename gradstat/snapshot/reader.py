@@ -7,9 +7,9 @@ import itertools
 import math
 import os
 import stat
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -19,11 +19,10 @@ import torch
 from gradstat.core.axes import AXES, DENSE_AXES, EXPERT_AXES, Axis
 from gradstat.core.groups import AxisPlace
 from gradstat.errors import SnapshotError
-from gradstat.snapshot.container import Container, mapped, read_container
+from gradstat.snapshot.container import Container, KnownLayouts, mapped, read_container
 from gradstat.snapshot.format import (
-    ATTRIBUTE_DEFAULTS,
     METADATA_KEY,
-    PLAIN_ATTRS,
+    KnownParams,
     ParamRecord,
     RankHeader,
     fits_torch,
@@ -37,11 +36,9 @@ __all__ = [
     "Snapshot",
     "SnapshotShare",
     "open_rank_file",
+    "open_rank_files",
     "rank_file_names",
 ]
-
-# The attributes a rebuilt parameter carries, and the value each has when its record has none.
-_PLAIN_DEFAULTS = {key: ATTRIBUTE_DEFAULTS[key] for key in PLAIN_ATTRS}
 
 # Axes whose coordinates, together, tell dense (expert) ranks apart.
 _DENSE_PLACES = (*DENSE_AXES, Axis.pp)
@@ -73,10 +70,7 @@ class RebuiltParam:
         self._grad = grad
         self._mapped = mapped if grad is None and record.has_grad else None
         self.shape = torch.Size(record.param_shape)
-        recorded = {key: value for key, value in record.attrs.items() if key in _PLAIN_DEFAULTS}
-        for key, value in {**_PLAIN_DEFAULTS, **recorded}.items():
-            if value is not None:
-                setattr(self, key, value)
+        self.__dict__.update(record.plain_attrs)
         gtp_group = record.attr("gtp_group")
         self.group = AxisPlace(*gtp_group) if gtp_group is not None else None
         if record.attr("fsdp_param"):
@@ -240,7 +234,7 @@ class Snapshot(_Described):
             SnapshotError: naming the directory or file and what is wrong.
         """
         folder = Path(directory)
-        files = [open_rank_file(folder, name) for name in rank_file_names(folder)]
+        files = list(open_rank_files(folder, rank_file_names(folder)))
         _check_whole(folder, files)
         return cls(folder, tuple(sorted(files, key=lambda file: file.rank)))
 
@@ -302,8 +296,43 @@ def _stat_problem(error: OSError, kind: str) -> str:
     return f"cannot open ({error.strerror or error})"
 
 
-def open_rank_file(folder: Path, name: str) -> RankFile:
-    """Read and validate the header of the rank file ``name`` in ``folder``.
+# Rank files up to this size are read whole with their header and their tensors viewed in the
+# bytes read (no second open, no map), until a snapshot's files kept so reach KEEP_TOTAL_BYTES.
+SMALL_FILE_BYTES = 1 << 20
+KEEP_TOTAL_BYTES = 256 << 20
+
+
+def open_rank_files(folder: Path, names: Iterable[str]) -> Iterator[RankFile]:
+    """:func:`open_rank_file` of each of ``names``, small files read whole within the budget.
+
+    Raises:
+        SnapshotError: naming the first file that is wrong and what is wrong with it.
+    """
+    room, known = KEEP_TOTAL_BYTES, Repeats()
+    for name in names:
+        rank_file = open_rank_file(folder, name, min(SMALL_FILE_BYTES, room), known)
+        if rank_file.container.data is not None:
+            room -= rank_file.size_bytes
+        yield rank_file
+
+
+@dataclass
+class Repeats:
+    """What the rank files of a snapshot repeat of each other, checked once, by its text: the
+    tensors' layouts and the parameter lists (every data-parallel replica has its own file, and
+    tensor-parallel shards and pipeline stages often hold the same list). Such a file is still
+    read, its own parts parsed and every check that involves them made."""
+
+    layouts: KnownLayouts = field(default_factory=dict)
+    params: KnownParams = field(default_factory=dict)
+
+
+def open_rank_file(
+    folder: Path, name: str, keep_up_to: int = 0, known: Repeats | None = None
+) -> RankFile:
+    """Read and validate the header of the rank file ``name`` in ``folder``; a file of at most
+    ``keep_up_to`` bytes is read whole and kept (see :func:`read_container`). ``known``: what
+    the snapshot's files read before held (the parts this one repeats are not checked again).
 
     Raises:
         SnapshotError: naming the file and what is wrong with it.
@@ -325,10 +354,11 @@ def open_rank_file(folder: Path, name: str) -> RankFile:
     if not stat.S_ISREG(mode):
         kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
         raise SnapshotError(f"{path}: {kind}, expected a rank file")
-    container = read_container(path)
+    container = read_container(path, keep_up_to, None if known is None else known.layouts)
     if METADATA_KEY not in container.metadata:
         raise SnapshotError(f"{path}: a safetensors file without gradstat metadata")
-    header = parse_header(path, container.metadata[METADATA_KEY])
+    metadata = container.metadata[METADATA_KEY]
+    header = parse_header(path, metadata, None if known is None else known.params)
     _check_tensors(path, header, container)
     return RankFile(header, container)
 
@@ -441,13 +471,13 @@ def _check_places(first: RankFile | FileSummary, world_size: int) -> None:
 def _check_whole(folder: Path, files: Sequence[RankFile | FileSummary]) -> None:
     first = files[0]
     for file in files[1:]:
-        for field, label in (
+        for key, label in (
             ("version", "format version"),
             ("world_size", "world size"),
             ("step", "step"),
             ("distributed_optimizer", "distributed_optimizer"),
         ):
-            mine, theirs = getattr(file.header, field), getattr(first.header, field)
+            mine, theirs = getattr(file.header, key), getattr(first.header, key)
             if mine != theirs:
                 raise SnapshotError(
                     f"{file.path}: {label} {mine} differs from {theirs} in {first.path.name} "
