@@ -33,6 +33,7 @@ from gradstat.core.predicates import (
     param_is_not_gtp_duplicate,
     param_is_not_shared,
     param_is_not_tensor_parallel_duplicate,
+    param_is_unique,
 )
 from gradstat.core.predicates import gtp_pad_zero_count as _gtp_pad_zero_count
 from gradstat.errors import GradDtypeError, NormTypeError
@@ -367,16 +368,6 @@ def clip_grad_by_total_norm_fp32(
                 grad.mul_(clip_coeff)
 
 
-def _counts(
-    param: Any, tp_groups: tuple[RankLike | None, ...], gtp_groups: tuple[RankLike | None, ...]
-) -> bool:
-    return (
-        param_is_not_shared(param)
-        and param_is_not_tensor_parallel_duplicate(param, *tp_groups)
-        and param_is_not_gtp_duplicate(param, *gtp_groups)
-    )
-
-
 def grads_for_norm(
     parameters: _Params,
     *,
@@ -394,13 +385,13 @@ def grads_for_norm(
     ``parallel_state`` inside a live Megatron job; outside one, it means the axis is not split.
     """
     attr = "decoupled_grad" if use_decoupled_grad else "grad"
-    tp_groups, gtp_groups = (tp_group, expert_tp_group), (gtp_group, expert_gtp_group)
+    groups = (tp_group, expert_tp_group, gtp_group, expert_gtp_group)
     selected = []
     for param in _as_list(parameters):
         grad = getattr(param, attr, None)
         if grad is None:
             continue
-        if getattr(param, "__fsdp_param__", False) or _counts(param, tp_groups, gtp_groups):
+        if getattr(param, "__fsdp_param__", False) or param_is_unique(param, *groups):
             selected.append(grad)
     return selected
 
@@ -442,7 +433,7 @@ def count_zeros_fp32(
         GradDtypeError: a gradient of an unsupported dtype.
     """
     attr = "decoupled_grad" if use_decoupled_grad else "grad"
-    tp_groups, gtp_groups = (tp_group, expert_tp_group), (gtp_group, expert_gtp_group)
+    groups = (tp_group, expert_tp_group, gtp_group, expert_gtp_group)
     counted: list[Tensor] = []
     fsdp_shards: list[Tensor] = []
     pad_zeros = 0
@@ -453,7 +444,7 @@ def count_zeros_fp32(
         local = to_local(grad).detach()
         if getattr(param, "__fsdp_param__", False):
             fsdp_shards.append(local)
-        elif _counts(param, tp_groups, gtp_groups):
+        elif param_is_unique(param, *groups):
             pad_zeros += _gtp_pad_zero_count(param, local)
             counted.append(grad.detach())
         else:

@@ -15,13 +15,13 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from gradstat.clip_grads import check_norm_type, grads_for_norm
+from gradstat.clip_grads import check_norm_type
 from gradstat.core import kernels, native
-from gradstat.core.predicates import gtp_pad_zero_count, param_is_not_shared
+from gradstat.core.predicates import gtp_pad_zero_count, param_is_not_shared, param_is_unique
 from gradstat.distributed.runner import Processes, Progress, gather
 from gradstat.errors import SnapshotError
 from gradstat.snapshot import RankFile, RebuiltParam, Snapshot, SnapshotShare
@@ -146,14 +146,8 @@ def counts(rank_file: RankFile, param: RebuiltParam) -> bool:
         return param_is_not_shared(param) and not record.dtensor.is_replica(tensor_parallel)
     if record.attr("fsdp_param"):
         return True
-    kept = grads_for_norm(
-        [param],
-        tp_group=rank_file.axis_place("tp"),
-        expert_tp_group=rank_file.axis_place("etp"),
-        gtp_group=rank_file.axis_place("gtp"),
-        expert_gtp_group=rank_file.axis_place("egtp"),
-    )
-    if not kept:
+    # The core's filters, as grads_for_norm applies them (the gradient is not looked up).
+    if not param_is_unique(param, *rank_file.filter_places):
         return False
     if rank_file.header.distributed_optimizer:
         return True
@@ -163,14 +157,14 @@ def counts(rank_file: RankFile, param: RebuiltParam) -> bool:
     return coords["dp"][0] == 0 and coords["cp"][0] == 0
 
 
-@dataclass(frozen=True)
-class Piece:
+class Piece(NamedTuple):
     """The statistics of one counted tensor (a shard or fragment) of one rank file.
 
     Pieces are what crosses processes under a launcher: a few numbers per tensor. Merging them
     in rank-file order gives bitwise the same totals however the files were split. Norms, not
     sums of p-th powers, cross: a norm fits in float64 where its p-th power may not (2.7e-3 to
-    the 150th), and :func:`kernels.add_norms` combines two without forming either power.
+    the 150th), and :func:`kernels.add_norms` combines two without forming either power. A
+    tuple: one is made per tensor, and 8192 rank files of 4 small tensors make 32768.
     """
 
     rank: int
@@ -183,9 +177,13 @@ class Piece:
     max_abs: float | None
     nonfinite: NonFinite | None
 
+    def to_json(self) -> dict[str, Any]:
+        found = self.nonfinite
+        return {**self._asdict(), "nonfinite": None if found is None else asdict(found)}
+
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Piece:
-        """The piece ``dataclasses.asdict`` made JSON of, as another process sent it."""
+        """The piece :meth:`to_json` made, as another process sent it."""
         found = data["nonfinite"]
         return cls(
             **{
@@ -243,10 +241,10 @@ def _piece(
     # count_zeros_fp32 without its reduction: this runs per tensor, also under a launcher whose
     # processes hold different numbers of tensors (``counts`` applied the filters).
     zeros = 0 if stats.zeros is None else stats.zeros - pad
-    partials = (*norms, *(() if max_abs is None else (max_abs,)))
+    partials = norms if max_abs is None else (*norms, max_abs)
     nonfinite = None
     # NaN and Inf propagate into every norm: only a non-finite partial needs the extra passes.
-    if not all(math.isfinite(partial) for partial in partials):
+    if not all(map(math.isfinite, partials)):
         nan, inf = int(torch.isnan(grad).sum()), int(torch.isinf(grad).sum())
         if nan or inf:
             nonfinite = NonFinite(rank_file.rank, param.name, nan, inf)
@@ -405,7 +403,7 @@ def gather_pieces(
                 on_file(rank_file)
 
         pieces = snapshot_pieces(snapshot, request, ranks, after_file)
-        return [asdict(piece) for piece in pieces]
+        return [piece.to_json() for piece in pieces]
 
     shares = gather(processes, compute, report if processes.is_first else None)
     report(len(everyone), total_bytes)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from itertools import product
@@ -296,7 +296,7 @@ class MappedFiles:
 
     def __init__(self) -> None:
         self._stack = ExitStack()
-        self._maps: dict[Path, dict[str, Tensor]] = {}
+        self._maps: dict[Path, Mapping[str, Tensor]] = {}
 
     def tensor(self, tile: Tile) -> Tensor:
         """The tile's tensor, read-only, flattened."""

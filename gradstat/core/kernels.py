@@ -26,7 +26,7 @@ import math
 import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -659,9 +659,8 @@ def nonzero_count(grads: Sequence[Tensor], device: torch.device) -> Tensor:
     return torch.stack(counts).sum()
 
 
-@dataclass(frozen=True)
-class TensorStats:
-    """One tensor's statistics (see :func:`tensor_stats`)."""
+class TensorStats(NamedTuple):
+    """One tensor's statistics (see :func:`tensor_stats`); a tuple, made per tensor."""
 
     norms: tuple[float, ...]  # one per finite p asked, in the order asked
     max_abs: float | None  # NaN when the tensor holds one; None when not asked

@@ -36,10 +36,9 @@ import tempfile
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -60,9 +59,9 @@ _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 _log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class FusedStats:
-    """What one pass over an fp32 tensor gives."""
+class FusedStats(NamedTuple):
+    """What one pass over an fp32 tensor gives (a tuple: a rank file's small tensors each make
+    one, at a cost that shows against their pass)."""
 
     sum_squares: float
     zeros: int
@@ -228,6 +227,8 @@ def native_kernel() -> Any:
     return None if library is None else library.gradstat_fused_f32
 
 
+_F32 = torch.float32
+
 # The element types the kernel reads, and the suffix of their entry points.
 _ENTRY_POINTS = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -279,16 +280,12 @@ def fused_f32(grad: torch.Tensor) -> FusedStats | None:
 def fused_many_f32(grads: Sequence[torch.Tensor]) -> list[FusedStats | None]:
     """:func:`fused_f32` of each of ``grads``, the CPU fp32 ones in a single call.
 
-    A rank file's tensors are often small: one call from Python costs more than a pass over a
-    few thousand elements (8192 files of 4 tensors: 12 us per call, against 2 us per tensor in
-    one call). The statistics are the same bits as one call per tensor gives.
+    A rank file's tensors are often small, and a call from Python costs more than a pass over a
+    few thousand elements: 4 tensors of 16 elements took 21 us as a call each and 14 us as one
+    call, 16 of them 83 against 33 us. The statistics are the bits one call per tensor gives.
     """
     found: list[FusedStats | None] = [None] * len(grads)
-    chosen = [
-        index
-        for index, grad in enumerate(grads)
-        if grad.dtype == torch.float32 and grad.device.type == "cpu"
-    ]
+    chosen = [index for index, grad in enumerate(grads) if grad.is_cpu and grad.dtype == _F32]
     function = _entry_point("many_f32") if chosen else None
     if function is None:
         return found
@@ -309,6 +306,7 @@ def fused_many_f32(grads: Sequence[torch.Tensor]) -> list[FusedStats | None]:
     if status != 0:
         return found  # out of memory for the per-chunk sums: let PyTorch do it
     _say_used("f32")
-    for slot, index in enumerate(chosen):
-        found[index] = FusedStats(sums[slot], zeros[slot], peaks[slot], bool(nans[slot]))
+    results = zip(sums, zeros, peaks, map(bool, nans), strict=True)
+    for index, stats in zip(chosen, results, strict=True):
+        found[index] = FusedStats._make(stats)
     return found

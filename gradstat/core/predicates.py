@@ -27,6 +27,7 @@ __all__ = [
     "param_is_not_gtp_duplicate",
     "param_is_not_shared",
     "param_is_not_tensor_parallel_duplicate",
+    "param_is_unique",
 ]
 
 
@@ -97,6 +98,22 @@ def param_is_not_gtp_duplicate(
     if is_expert(param):
         return _axis_rank(expert_gtp_group, "egtp") == 0
     return _axis_rank(gtp_group, "gtp") == 0
+
+
+def param_is_unique(
+    param: Any,
+    tp_group: RankLike | None = None,
+    expert_tp_group: RankLike | None = None,
+    gtp_group: RankLike | None = None,
+    expert_gtp_group: RankLike | None = None,
+) -> bool:
+    """Whether ``param`` holds values no other rank's copy counts: not a ``shared`` copy, not a
+    TP/ETP duplicate, not a GTP/EGTP duplicate (groups as the three predicates take them)."""
+    return (
+        param_is_not_shared(param)
+        and param_is_not_tensor_parallel_duplicate(param, tp_group, expert_tp_group)
+        and param_is_not_gtp_duplicate(param, gtp_group, expert_gtp_group)
+    )
 
 
 def _param_label(param: Any) -> str:

@@ -30,8 +30,7 @@ import mmap
 import os
 import struct
 import warnings
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -141,14 +140,16 @@ def read_container(path: Path, keep_up_to: int = 0, known: KnownLayouts | None =
         SnapshotError: naming the file and what is wrong with it.
     """
     try:
-        with open(path, "rb") as file:
-            stamp = FileStamp.of(file.fileno())
+        # The descriptor alone, no file object: a small file's read costs about as much.
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            stamp = FileStamp.of(fd)
             size = stamp.size
             data = None
             if size <= keep_up_to:  # gradstat's own copy, which its tensors may view writably
                 data = bytearray(size)
-                del data[file.readinto(data) :]
-            prefix = file.read(8) if data is None else data
+                del data[os.readv(fd, [data]) :]
+            prefix = os.pread(fd, 8, 0) if data is None else data
             if len(prefix) < 8:
                 raise SnapshotError(
                     f"{path}: {size} bytes is too short for a safetensors file (needs 8 or more)"
@@ -159,7 +160,9 @@ def read_container(path: Path, keep_up_to: int = 0, known: KnownLayouts | None =
                     f"{path}: header length {header_len} exceeds the file's {size} bytes "
                     f"(truncated, or not a safetensors file)"
                 )
-            raw = file.read(header_len) if data is None else data[8 : 8 + header_len]
+            raw = os.pread(fd, header_len, 8) if data is None else data[8 : 8 + header_len]
+        finally:
+            os.close(fd)
     except OSError as error:
         raise SnapshotError(f"{path}: cannot read ({error.strerror or error})") from error
     if data is not None and len(data) != size:
@@ -295,58 +298,98 @@ def _check_tiling(path: Path, slots: dict[str, TensorSlot], data_len: int | None
     return position
 
 
-class MappedTensors(dict[str, torch.Tensor]):
+class MappedTensors(Mapping[str, torch.Tensor]):
     """A mapped rank file's tensors by name, as read-only views of the map (or of the bytes
-    kept when the file was read whole).
+    kept when the file was read whole), each made when it is first looked up: a tensor that
+    does not count (a replica) costs nothing.
 
-    ``tensors[name]`` first checks, through the map's own descriptor, that the file still has
-    the size it was validated at: a page that a truncation cut off faults with SIGBUS when
-    touched, and Python cannot catch that signal. What remains is the window between the check
-    and the caller's last touch of that tensor (one tensor's passes): a truncation landing there
-    still kills the process. Reading the file instead of mapping it would close the window, but
-    a read pass took 2.5 to 5.7 times as long as a mapped one (16 x 64 MiB fp32, page cache
-    warm, fused norm pass), so the map stays for all but small files. ``get`` and iteration
-    skip the check; look up with ``[]`` right before reading a tensor. Kept bytes need no check.
+    Each lookup first checks, through the map's own descriptor, that the file still has the
+    size it was validated at: a page that a truncation cut off faults with SIGBUS when touched,
+    and Python cannot catch that signal. What remains is the window between the check and the
+    caller's last touch of that tensor (one tensor's passes): a truncation landing there still
+    kills the process. Reading the file instead of mapping it would close the window, but a
+    read pass took 2.5 to 5.7 times as long as a mapped one (16 x 64 MiB fp32, page cache warm,
+    fused norm pass), so the map stays for all but small files; look a tensor up right before
+    reading it. Kept bytes need no check.
+
+    A context manager (see :func:`mapped`): the file is mapped, or found unchanged, as the
+    ``with`` block begins; the views are dropped and the map closed as it ends.
     """
 
-    def __init__(self, container: Container, view: mmap.mmap | bytearray) -> None:
-        super().__init__()
-        self._path = container.path
-        self._size = container.stamp.size
-        self._map = view if isinstance(view, mmap.mmap) else None
-        if self._map is None:  # gradstat's own copy of a small file
-            self._view(container, view)
-            return
+    def __init__(self, container: Container) -> None:
+        self._container = container
+        self._view: mmap.mmap | bytearray | None = None
+        self._made: dict[str, torch.Tensor] = {}
+
+    def __enter__(self) -> MappedTensors:
+        container = self._container
+        if container.data is not None:
+            try:
+                change = container.stamp.change(FileStamp.of_path(container.path))
+            except OSError as error:
+                raise SnapshotError(
+                    f"{container.path}: cannot open ({error.strerror or error})"
+                ) from error
+            if change is not None:
+                raise _changed(container.path, change)
+            self._view = container.data
+            return self
+        try:
+            with open(container.path, "rb") as file:
+                change = container.stamp.change(FileStamp.of(file.fileno()))
+                if change is not None:
+                    raise _changed(container.path, change)
+                self._view = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+        except OSError as error:
+            raise SnapshotError(
+                f"{container.path}: cannot map ({error.strerror or error})"
+            ) from error
+        return self
+
+    def __exit__(self, *exception: object) -> None:
+        view, self._view = self._view, None
+        self._made.clear()
+        if isinstance(view, mmap.mmap):
+            # A caller that kept a tensor alive keeps the map: it closes with the last view.
+            with contextlib.suppress(BufferError):
+                view.close()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if self._view is None:
+            raise KeyError(name)
+        if isinstance(self._view, mmap.mmap):
+            size = self._view.size()  # an fstat of the map's descriptor: the file as it is now
+            if size != self._container.stamp.size:
+                was = self._container.stamp.size
+                raise _changed(self._container.path, f"now {size} bytes, {was} when checked")
+        tensor = self._made.get(name)
+        if tensor is None:
+            tensor = self._made[name] = self._make(self._container.slots[name], self._view)
+        return tensor
+
+    def _make(self, slot: TensorSlot, view: mmap.mmap | bytearray) -> torch.Tensor:
+        count = math.prod(slot.shape)
+        dtype = DTYPES[slot.dtype][0]
+        if count == 0:
+            return torch.empty(slot.shape, dtype=dtype)
+        offset = self._container.data_start + slot.start
+        if isinstance(view, bytearray):  # gradstat's own copy of a small file
+            return torch.frombuffer(view, dtype=dtype, count=count, offset=offset).view(slot.shape)
         with warnings.catch_warnings():
             # The map is read-only and gradstat never writes through it.
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            self._view(container, view)
+            return torch.frombuffer(view, dtype=dtype, count=count, offset=offset).view(slot.shape)
 
-    def _view(self, container: Container, view: mmap.mmap | bytearray) -> None:
-        for name, slot in container.slots.items():
-            count = math.prod(slot.shape)
-            dtype = DTYPES[slot.dtype][0]
-            if count == 0:
-                self[name] = torch.empty(slot.shape, dtype=dtype)
-                continue
-            flat = torch.frombuffer(
-                view, dtype=dtype, count=count, offset=container.data_start + slot.start
-            )
-            self[name] = flat.view(slot.shape)
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._container.slots)
 
-    def __getitem__(self, name: str) -> torch.Tensor:
-        tensor = super().__getitem__(name)
-        if self._map is not None:
-            size = self._map.size()  # an fstat of the map's descriptor: the file as it is now
-            if size != self._size:
-                raise _changed(self._path, f"now {size} bytes, {self._size} when checked")
-        return tensor
+    def __len__(self) -> int:
+        return len(self._container.slots)
 
 
-@contextmanager
-def mapped(container: Container) -> Iterator[MappedTensors]:
-    """Memory-map the file and yield its tensors as read-only views (no copies); of a file read
-    whole, views of the bytes read, once the file is found unchanged.
+def mapped(container: Container) -> MappedTensors:
+    """The file's tensors, as read-only views of its map (no copies), or of the bytes read of a
+    small file once the file is found unchanged: ``with mapped(container) as tensors``.
 
     The views are valid inside the ``with`` block only; nothing may write to them.
 
@@ -354,41 +397,7 @@ def mapped(container: Container) -> Iterator[MappedTensors]:
         SnapshotError: the file cannot be mapped, or it changed since ``read_container`` read
             it (then, or later when a tensor is looked up).
     """
-    if container.data is not None:
-        yield from _kept(container, container.data)
-        return
-    try:
-        with open(container.path, "rb") as file:
-            change = container.stamp.change(FileStamp.of(file.fileno()))
-            if change is not None:
-                raise _changed(container.path, change)
-            view = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
-    except OSError as error:
-        raise SnapshotError(f"{container.path}: cannot map ({error.strerror or error})") from error
-    try:
-        tensors = MappedTensors(container, view)
-        try:
-            yield tensors
-        finally:
-            tensors.clear()
-    finally:
-        # A caller that kept a tensor alive keeps the map: it closes with the last view.
-        with contextlib.suppress(BufferError):
-            view.close()
-
-
-def _kept(container: Container, data: bytearray) -> Iterator[MappedTensors]:
-    try:
-        change = container.stamp.change(FileStamp.of_path(container.path))
-    except OSError as error:
-        raise SnapshotError(f"{container.path}: cannot open ({error.strerror or error})") from error
-    if change is not None:
-        raise _changed(container.path, change)
-    tensors = MappedTensors(container, data)
-    try:
-        yield tensors
-    finally:
-        tensors.clear()
+    return MappedTensors(container)
 
 
 def write_container(

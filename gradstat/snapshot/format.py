@@ -103,7 +103,7 @@ def supported_dtypes() -> str:
 
 # torch keeps sizes and strides in int64, and computes strides even for a tensor with no
 # element: a [0, 2**62, 4] shape fails in torch.empty as surely as a [2**63] one.
-_TORCH_SIZE_LIMIT = 2**63 - 1
+TORCH_SIZE_LIMIT = 2**63 - 1
 
 
 def fits_torch(shape: Sequence[int], scale: int = 1) -> bool:
@@ -113,11 +113,11 @@ def fits_torch(shape: Sequence[int], scale: int = 1) -> bool:
     a header's huge numbers cost no huge arithmetic.
     """
     if len(shape) <= 8 and 0 not in shape:  # a tensor's shape: its product costs nothing
-        return math.prod(shape, start=scale) <= _TORCH_SIZE_LIMIT
+        return math.prod(shape, start=scale) <= TORCH_SIZE_LIMIT
     total = scale
     for size in shape:
         total *= max(size, 1)
-        if total > _TORCH_SIZE_LIMIT:
+        if total > TORCH_SIZE_LIMIT:
             return False
     return True
 
@@ -201,9 +201,16 @@ class ParamRecord:
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @property
+    @cached_property
     def is_expert(self) -> bool:
         return not self.attr("allreduce")
+
+    @cached_property
+    def extent(self) -> int:
+        """The most elements any of its shapes spans (shape, param_shape, fragment_shape), a
+        size of 0 taken as 1: how far from torch's 64-bit limit its shards side by side are."""
+        shapes = (self.shape, self.param_shape, self.attr("fragment_shape") or ())
+        return max(math.prod(max(size, 1) for size in shape) for shape in shapes)
 
 
 @dataclass(frozen=True)
@@ -495,15 +502,36 @@ def _parse_param(path: Path, index: int, entry: Any) -> ParamRecord:
                 f"dtensor global_offset {list(dtensor.global_offset)} with shape {list(shape)} "
                 f"is outside global_shape {list(dtensor.global_shape)}"
             )
-    return ParamRecord(
+    record = ParamRecord(
         name=name,
         has_grad=has_grad,
         shape=shape,
         dtype=dtype,
         param_shape=fields.sizes("param_shape"),
-        attrs=dict(attrs.data),
+        attrs=attrs.data,
         dtensor=dtensor,
     )
+    if "fragment_offset" in attrs.data or "fragment_shape" in attrs.data:
+        _check_fragment(attrs, record)
+    return record
+
+
+def _check_fragment(attrs: _Fields, record: ParamRecord) -> None:
+    """A distributed-optimizer fragment's place: a flat range within its parameter's shape."""
+    offset, shape = record.attr("fragment_offset"), record.attr("fragment_shape")
+    if offset is None and shape is None:
+        return
+    if offset is None or shape is None:
+        raise attrs.fail("fragment_offset and fragment_shape come together")
+    if not all(type(size) is int and size >= 0 for size in shape):
+        raise attrs.fail(f"fragment_shape {shape!r} is not a list of sizes")
+    if not fits_torch(shape):  # before any product of a header's numbers is taken
+        raise attrs.fail(f"fragment_shape {shape} is too large for torch (its sizes are 64-bit)")
+    if len(record.shape) != 1 or not 0 <= offset <= math.prod(shape) - record.numel:
+        raise attrs.fail(
+            f"a fragment of {record.numel} elements at offset {offset} does not fit in a "
+            f"parameter of shape {shape}"
+        )
 
 
 def _parse_dtensor(mesh: _Fields) -> MeshPlacement:

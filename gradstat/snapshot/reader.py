@@ -22,6 +22,7 @@ from gradstat.errors import SnapshotError
 from gradstat.snapshot.container import Container, KnownLayouts, mapped, read_container
 from gradstat.snapshot.format import (
     METADATA_KEY,
+    TORCH_SIZE_LIMIT,
     KnownParams,
     ParamRecord,
     RankHeader,
@@ -124,6 +125,12 @@ class RankFile:
     @cached_property
     def _places(self) -> dict[str, AxisPlace]:
         return {axis: AxisPlace(*place) for axis, place in self.header.coords.items()}
+
+    @cached_property
+    def filter_places(self) -> tuple[AxisPlace, AxisPlace, AxisPlace, AxisPlace]:
+        """This rank's TP, ETP, GTP and EGTP places, as the duplicate filters take them."""
+        places = self._places
+        return places["tp"], places["etp"], places["gtp"], places["egtp"]
 
     @contextmanager
     def params(self) -> Iterator[list[RebuiltParam]]:
@@ -364,30 +371,34 @@ def open_rank_file(
 
 
 def _check_tensors(path: Path, header: RankHeader, container: Container) -> None:
+    slots = container.slots
     recorded = {record.name for record in header.params if record.has_grad}
-    extra = sorted(set(container.slots) - recorded)
-    if extra:
+    if not slots.keys() <= recorded:
+        extra = sorted(slots.keys() - recorded)
         raise SnapshotError(f"{path}: tensor {extra[0]!r} has no parameter record")
     for record in header.params:
-        where = f"{path}: parameter {record.name!r}"
         if not record.has_grad:
             continue
-        slot = container.slots.get(record.name)
+        slot = slots.get(record.name)
         if slot is None:
-            raise SnapshotError(f"{where}: its gradient tensor is missing from the file")
+            raise SnapshotError(
+                f"{_where(path, record)}: its gradient tensor is missing from the file"
+            )
         if slot.dtype != record.dtype or slot.shape != record.shape:
             raise SnapshotError(
-                f"{where}: tensor is {slot.dtype}{list(slot.shape)} but its record says "
-                f"{record.dtype}{list(record.shape)}"
+                f"{_where(path, record)}: tensor is {slot.dtype}{list(slot.shape)} but its "
+                f"record says {record.dtype}{list(record.shape)}"
             )
-        _check_gtp(where, header, record)
-        _check_fragment(where, record)
-        _check_full_shape(where, header, record)
+        if record.attr("is_gtp_weight_remat"):
+            _check_gtp(_where(path, record), header, record)
+        _check_full_shape(path, header, record)
+
+
+def _where(path: Path, record: ParamRecord) -> str:
+    return f"{path}: parameter {record.name!r}"
 
 
 def _check_gtp(where: str, header: RankHeader, record: ParamRecord) -> None:
-    if not record.attr("is_gtp_weight_remat"):
-        return
     axis = "egtp" if record.is_expert else "gtp"
     place = header.coords[axis]
     group = record.attr("gtp_group")
@@ -412,26 +423,7 @@ def _check_gtp(where: str, header: RankHeader, record: ParamRecord) -> None:
         )
 
 
-def _check_fragment(where: str, record: ParamRecord) -> None:
-    offset, shape = record.attr("fragment_offset"), record.attr("fragment_shape")
-    if offset is None and shape is None:
-        return
-    if offset is None or shape is None:
-        raise SnapshotError(f"{where}: fragment_offset and fragment_shape come together")
-    if not all(type(size) is int and size >= 0 for size in shape):
-        raise SnapshotError(f"{where}: fragment_shape {shape!r} is not a list of sizes")
-    if not fits_torch(shape):  # before any product of a header's numbers is taken
-        raise SnapshotError(
-            f"{where}: fragment_shape {shape} is too large for torch (its sizes are 64-bit)"
-        )
-    if len(record.shape) != 1 or not 0 <= offset <= math.prod(shape) - record.numel:
-        raise SnapshotError(
-            f"{where}: a fragment of {record.numel} elements at offset {offset} does not fit "
-            f"in a parameter of shape {shape}"
-        )
-
-
-def _check_full_shape(where: str, header: RankHeader, record: ParamRecord) -> None:
+def _check_full_shape(path: Path, header: RankHeader, record: ParamRecord) -> None:
     """The tensor a shard is part of must be one torch can make, though the shard is empty.
 
     An empty shard passes every byte count, yet rebuilding its tensor (TP shards side by side,
@@ -441,6 +433,8 @@ def _check_full_shape(where: str, header: RankHeader, record: ParamRecord) -> No
     scale = header.coords[tp_axis][1] if record.attr("tensor_model_parallel") else 1
     if record.attr("is_gtp_weight_remat"):
         scale *= header.coords[gtp_axis][1]
+    if record.extent * scale <= TORCH_SIZE_LIMIT:
+        return
     for label, shape in (
         ("shape", record.shape),
         ("param_shape", record.param_shape),
@@ -448,8 +442,8 @@ def _check_full_shape(where: str, header: RankHeader, record: ParamRecord) -> No
     ):
         if shape is not None and not fits_torch(shape, scale):
             raise SnapshotError(
-                f"{where}: {label} {list(shape)} across {scale} shards is too large for torch "
-                "(its sizes are 64-bit)"
+                f"{_where(path, record)}: {label} {list(shape)} across {scale} shards is too "
+                "large for torch (its sizes are 64-bit)"
             )
 
 
