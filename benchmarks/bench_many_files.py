@@ -1,8 +1,11 @@
 """Many small rank files: gradstat's cost per file against the cheapest pass over the same files.
 
-Writes (once) a seeded fp32 snapshot of ``--files`` rank files, each holding 4 small tensors
-(a TP=8 x PP=files/8 layout: every file's tensors count in the norm), and a one-file snapshot
-of the same kind. Each side runs as a whole fresh process, alternately, on both snapshots:
+Writes (once) a seeded fp32 snapshot of ``--files`` rank files, each holding 4 small tensors,
+and a one-file snapshot of the same kind. ``--layout tp8`` (the default): TP=8 x PP=files/8,
+every file's tensors count in the norm, and the 8 TP ranks of a stage hold the same parameter
+list (as the ranks of a real job repeat theirs: gradstat checks each distinct list once).
+``--layout distinct``: PP=files, every file's list its own (nothing repeats). Each side runs as
+a whole fresh process, alternately, on both snapshots:
 
 - peer: a Python process that opens each file with ``safetensors.safe_open`` and sums each
   tensor once;
@@ -17,7 +20,7 @@ bytecode, as an installed package has its ``.pyc`` files.
 Usage::
 
     python benchmarks/bench_many_files.py [--files 8192] [--repeats 3] [--dir PATH]
-        [--command norm|zeros|audit] [--nproc N]
+        [--command norm|zeros|audit] [--nproc N] [--layout tp8|distinct]
 """
 
 from __future__ import annotations
@@ -39,15 +42,17 @@ _TP = 8
 _SHAPES = ((64, 32), (32,), (128, 16), (16,))
 
 
-def write_snapshot(directory: Path, files: int) -> None:
-    """``files`` rank files (TP=8 x PP=files/8), each 4 small TP-sharded fp32 tensors."""
+def write_snapshot(directory: Path, files: int, layout: str = "tp8") -> None:
+    """``files`` rank files of 4 small fp32 tensors: TP=8 x PP=files/8 (``tp8``), or PP=files
+    (``distinct``)."""
     from gradstat.snapshot import save_rank
 
     directory.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(0)
-    stages = max(files // _TP, 1)
+    tp_size = _TP if layout == "tp8" else 1
+    stages = max(files // tp_size, 1)
     for rank in range(files):
-        tp, stage = rank % _TP, rank // _TP
+        tp, stage = rank % tp_size, rank // tp_size
         params = []
         for index, shape in enumerate(_SHAPES):
             holder = type("Shard", (), {})()
@@ -55,7 +60,7 @@ def write_snapshot(directory: Path, files: int) -> None:
             holder.shape = holder.grad.shape
             holder.tensor_model_parallel, holder.partition_dim = len(shape) == 2, 0
             params.append((f"layers.{stage}.w{index}", holder))
-        coords = {"tp": [tp, min(_TP, files)], "pp": [stage, stages]}
+        coords = {"tp": [tp, min(tp_size, files)], "pp": [stage, stages]}
         save_rank(directory, params, rank=rank, world_size=files, coords=coords)
 
 
@@ -92,6 +97,7 @@ def main() -> int:
     parser.add_argument("--dir", type=Path, default=None, help="keep the snapshots here")
     parser.add_argument("--command", choices=("norm", "zeros", "audit"), default="norm")
     parser.add_argument("--nproc", type=int, default=0, help="run ours under torchrun")
+    parser.add_argument("--layout", choices=("tp8", "distinct"), default="tp8")
     parser.add_argument("--peer", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.peer:
@@ -105,12 +111,13 @@ def main() -> int:
         gradstat = [sys.executable, "-m", "gradstat", args.command]
     temporary = args.dir is None
     root = Path(tempfile.mkdtemp(prefix="gradstat-bench-")) if temporary else args.dir
-    many, one = root / f"files-{args.files}", root / "files-1"
+    suffix = "" if args.layout == "tp8" else f"-{args.layout}"
+    many, one = root / f"files-{args.files}{suffix}", root / "files-1"
     try:
         for directory, files in ((many, args.files), (one, 1)):
             if not any(directory.glob("*.safetensors")):
                 print(f"writing {files} rank files to {directory}", file=sys.stderr)
-                write_snapshot(directory, files)
+                write_snapshot(directory, files, args.layout)
         per_file: dict[str, list[float]] = {"ours": [], "peer": []}
         whole: dict[str, list[float]] = {"ours": [], "peer": []}
         for side in ("peer", "ours"):  # warm the page cache and the kernel cache
@@ -128,7 +135,8 @@ def main() -> int:
         launcher = f"torchrun, {args.nproc} processes" if args.nproc else "one process"
         print(
             f"torch {torch.__version__}, {os.cpu_count()} CPUs, {args.files} rank files of "
-            f"4 tensors, {args.repeats} repeats, ours: gradstat {args.command} ({launcher})\n"
+            f"4 tensors ({args.layout}), {args.repeats} repeats, ours: gradstat {args.command} "
+            f"({launcher})\n"
         )
         print("| measure | ours | peer (safe_open + sum) | ours/peer |")
         print("|---|---:|---:|---:|")

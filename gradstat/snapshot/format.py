@@ -210,7 +210,7 @@ class ParamRecord:
         """The most elements any of its shapes spans (shape, param_shape, fragment_shape), a
         size of 0 taken as 1: how far from torch's 64-bit limit its shards side by side are."""
         shapes = (self.shape, self.param_shape, self.attr("fragment_shape") or ())
-        return max(math.prod(max(size, 1) for size in shape) for shape in shapes)
+        return max(math.prod(size or 1 for size in shape) for shape in shapes)
 
 
 @dataclass(frozen=True)
