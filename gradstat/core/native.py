@@ -36,6 +36,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Sequence
+from ctypes import c_double, c_int32, c_int64
 from functools import cache
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -194,30 +195,15 @@ def native_library() -> Any:
         )
         _log.debug("native C kernel: unavailable", exc_info=why.__cause__)
         return None
+    # Where the statistics go: sums of squares, zero counts, max |x|, NaN flags.
+    outputs = [ctypes.POINTER(kind) for kind in (c_double, c_int64, ctypes.c_float, c_int32)]
     for dtype_name in _ENTRY_POINTS.values():
-        function = getattr(library, f"gradstat_fused_{dtype_name}")
-        function.restype = ctypes.c_int32
-        function.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_int64,
-            ctypes.c_int32,
-            ctypes.POINTER(ctypes.c_double),
-            ctypes.POINTER(ctypes.c_int64),
-            ctypes.POINTER(ctypes.c_float),
-            ctypes.POINTER(ctypes.c_int32),
-        ]
+        one = getattr(library, f"gradstat_fused_{dtype_name}")
+        one.argtypes = [ctypes.c_void_p, c_int64, c_int32, *outputs]
         many = getattr(library, f"gradstat_fused_many_{dtype_name}")
-        many.restype = ctypes.c_int32
-        many.argtypes = [
-            ctypes.POINTER(ctypes.c_void_p),
-            ctypes.POINTER(ctypes.c_int64),
-            ctypes.c_int32,
-            ctypes.c_int32,
-            ctypes.POINTER(ctypes.c_double),
-            ctypes.POINTER(ctypes.c_int64),
-            ctypes.POINTER(ctypes.c_float),
-            ctypes.POINTER(ctypes.c_int32),
-        ]
+        arrays = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(c_int64)]
+        many.argtypes = [*arrays, c_int32, c_int32, *outputs]
+        one.restype = many.restype = c_int32
     return library
 
 
