@@ -26,6 +26,7 @@ from gradstat.snapshot.format import (
     GRAD_ATTRS,
     ParamRecord,
     RankHeader,
+    parse_header,
 )
 from tests._cli import SAMPLE_DATA
 from tests._jobs import (
@@ -351,3 +352,23 @@ def test_every_header_gradstat_writes_follows_the_schema(tmp_path: Path) -> None
     broken["grad_attr"] = "grad_of_grad"
     found = schema_errors(_schema(), broken)
     assert len(found) == 3, found
+
+
+def test_rank_files_gradstat_writes_have_their_parameter_list_last(tmp_path: Path) -> None:
+    """The reader checks a parameter list once per distinct text when the list is the metadata's
+    last member, as gradstat writes it (triggers included): every file read so, to the same
+    header as a whole parse gives."""
+    path = save_rank(
+        tmp_path,
+        [("w", param_with(torch.randn(3)))],
+        rank=0,
+        world_size=1,
+        coords={},
+        triggers=("spike",),
+    )
+    written = [path, *sorted(SAMPLE_DATA.glob("*/*.safetensors"))]
+    for path in written:
+        text = _read_with_safetensors(path)[1]["gradstat"]
+        known: dict[str, Any] = {}
+        assert parse_header(path, text, known) == parse_header(path, text), path
+        assert len(known) == 1, path  # the list was split off and kept
