@@ -267,10 +267,10 @@ def file_pieces(rank_file: RankFile, request: Request) -> list[Piece]:
         counted = [param for param in params if counts(rank_file, param)]
         grads = [_grad(param, request) for param in counted]
         # One native call for the file's fp32 tensors: small ones cost less than the call.
-        fused = native.fused_many_f32(grads) if request.one_pass else [None] * len(grads)
+        passes = native.fused_many_f32(grads) if request.one_pass else [None] * len(grads)
         pieces = [
-            _piece(rank_file, param, grad, request, one_pass)
-            for param, grad, one_pass in zip(counted, grads, fused, strict=True)
+            _piece(rank_file, param, grad, request, fused)
+            for param, grad, fused in zip(counted, grads, passes, strict=True)
         ]
         _log.debug("%s: %d of %d tensors counted", rank_file.path, len(pieces), len(params))
         return pieces

@@ -347,7 +347,7 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
 
 
 # The parameter records of rank files already read, by the text of their JSON list.
-KnownParams = dict[str, tuple["ParamRecord", ...]]
+KnownParams = dict[str, tuple[ParamRecord, ...]]
 
 _PARAMS_KEY = '"params":'
 
