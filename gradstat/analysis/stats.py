@@ -213,8 +213,8 @@ class Request:
 
     @property
     def one_pass(self) -> bool:
-        """Whether the native kernel's one pass gives some of it (L2, inf or zeros)."""
-        return self.zeros or self.with_inf or 2.0 in self.finite
+        """Whether the native kernel's one pass gives some of it."""
+        return kernels.one_pass_serves(self.finite, self.with_inf, self.zeros)
 
 
 def _grad(param: RebuiltParam, request: Request) -> torch.Tensor:

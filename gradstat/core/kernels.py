@@ -46,6 +46,7 @@ __all__ = [
     "combine_norms",
     "nonzero_count",
     "norm",
+    "one_pass_serves",
     "reduced_norm",
     "scaled_power_sum",
     "tensor_stats",
@@ -667,6 +668,11 @@ class TensorStats(NamedTuple):
     zeros: int | None  # elements equal to zero (-0.0 too); None when not asked
 
 
+def one_pass_serves(finite: Sequence[float], with_inf: bool, zeros: bool) -> bool:
+    """Whether the native kernel's one pass gives some of what is asked (L2, inf or zeros)."""
+    return zeros or with_inf or 2.0 in finite
+
+
 def tensor_stats(
     grad: Tensor,
     finite: Sequence[float],
@@ -683,7 +689,7 @@ def tensor_stats(
     the range where fp32 squares are exact (then :func:`norm` recomputes it). ``fused``: that
     pass, when the caller made it already (:func:`native.fused_many_f32`).
     """
-    if fused is None and (zeros or with_inf or 2.0 in finite):
+    if fused is None and one_pass_serves(finite, with_inf, zeros):
         fused = native.fused_f32(grad)
 
     def one_norm(p: float) -> float:

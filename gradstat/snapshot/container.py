@@ -43,6 +43,7 @@ from gradstat.snapshot.format import (
     CODE_NAMES,
     DTYPE_NAMES,
     DTYPES,
+    are_sizes,
     fits_torch,
     load_json,
     scan_json,
@@ -248,7 +249,7 @@ def _slot(path: Path, name: str, entry: Any) -> TensorSlot:
             f"{path}: tensor {name!r}: dtype {code!r} is not supported; "
             f"supported: {supported_dtypes()}"
         )
-    if type(shape) is not list or not _sizes(shape):
+    if type(shape) is not list or not are_sizes(shape):
         raise SnapshotError(f"{path}: tensor {name!r}: shape {shape!r} is not a list of sizes")
     if not fits_torch(shape):
         raise SnapshotError(
@@ -273,11 +274,6 @@ def _slot(path: Path, name: str, entry: Any) -> TensorSlot:
 
 
 _ITEM_SIZES = {name: torch_dtype.itemsize for name, (torch_dtype, _) in DTYPES.items()}
-
-
-def _sizes(values: list[Any]) -> bool:
-    """Whether ``values`` are all integers >= 0 (true and false are not)."""
-    return set(map(type, values)) <= {int} and min(values, default=0) >= 0
 
 
 def _check_tiling(path: Path, slots: dict[str, TensorSlot], data_len: int | None) -> int:

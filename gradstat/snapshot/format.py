@@ -106,6 +106,12 @@ def supported_dtypes() -> str:
 TORCH_SIZE_LIMIT = 2**63 - 1
 
 
+def are_sizes(values: Sequence[Any], minimum: int = 0) -> bool:
+    """Whether ``values`` are all integers >= ``minimum`` (true and false are not integers
+    here, though Python's bool is an int)."""
+    return set(map(type, values)) <= {int} and min(values, default=minimum) >= minimum
+
+
 def fits_torch(shape: Sequence[int], scale: int = 1) -> bool:
     """Whether torch can make a tensor of ``shape`` whose elements are ``scale`` times as many.
 
@@ -317,7 +323,7 @@ class _Fields:
 
     def ints(self, key: str, minimum: int = 0) -> tuple[int, ...]:
         values = self.get(key, list)
-        if not set(map(type, values)) <= {int} or min(values, default=minimum) < minimum:
+        if not are_sizes(values, minimum):
             raise self.fail(f"field {key!r} must be a list of integers >= {minimum}")
         return tuple(values)
 
@@ -523,7 +529,7 @@ def _check_fragment(attrs: _Fields, record: ParamRecord) -> None:
         return
     if offset is None or shape is None:
         raise attrs.fail("fragment_offset and fragment_shape come together")
-    if not all(type(size) is int and size >= 0 for size in shape):
+    if not are_sizes(shape):  # a list: its kind was checked with the other attributes
         raise attrs.fail(f"fragment_shape {shape!r} is not a list of sizes")
     if not fits_torch(shape):  # before any product of a header's numbers is taken
         raise attrs.fail(f"fragment_shape {shape} is too large for torch (its sizes are 64-bit)")
