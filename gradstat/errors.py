@@ -27,6 +27,19 @@ class PartialGradientError(GradstatError, ValueError):
     """A DTensor gradient that is Partial: still pending its reduction, it has no norm yet."""
 
 
+class ArgumentError(GradstatError, ValueError):
+    """An argument out of its range (a negative step, a warmup longer than its window)."""
+
+
+class ArgumentTypeError(GradstatError, TypeError):
+    """An argument of the wrong type (a string where a number goes)."""
+
+
+class PeerTimeoutError(GradstatError):
+    """Some ranks did not reach a collective of gradstat's own within its bounded wait; the
+    message names them."""
+
+
 class StoppedTogether(GradstatError):
     """An error that stopped every process of a launched run alike.
 
