@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,7 +37,14 @@ from gradstat.core.predicates import (
     param_is_unique,
 )
 from gradstat.core.predicates import gtp_pad_zero_count as _gtp_pad_zero_count
-from gradstat.errors import GradDtypeError, NormTypeError
+from gradstat.errors import (
+    ClipArgumentError,
+    GradDtypeError,
+    GradientInputError,
+    GradstatError,
+    NormTypeError,
+    StatsGroupError,
+)
 
 __all__ = [
     "GradNorm",
@@ -76,61 +84,133 @@ def check_norm_type(norm_type: Any) -> float:
     )
 
 
+def is_parameter(item: Any) -> bool:
+    """Whether ``item`` is a parameter (its ``.grad`` is the gradient) rather than a gradient.
+
+    An ``nn.Parameter``, a leaf tensor that requires grad or holds a ``.grad``, or an object that
+    is no tensor but has a ``grad`` attribute (a stand-in carrying Megatron's attributes). A
+    gradient never requires grad, except one made by ``backward(create_graph=True)``, which is
+    no leaf: it stays a gradient.
+    """
+    if isinstance(item, torch.nn.Parameter):
+        return True
+    if not isinstance(item, Tensor):
+        return hasattr(item, "grad")
+    return item.is_leaf and (item.requires_grad or item.grad is not None)
+
+
+def _label(what: str, index: int, tensor: Any, *, of_parameter: bool) -> str:
+    shape = tuple(getattr(tensor, "shape", ()))
+    held = "the gradient of parameter" if of_parameter else "gradient"
+    return f"{what}: {held} {index} (shape {shape})"
+
+
+def _readable(grad: Tensor, label: str) -> tuple[Tensor, int]:
+    """The tensor the statistics read for ``grad``, and how many zeros it leaves implicit.
+
+    A strided tensor (or DTensor) is itself. A sparse one (COO, CSR, CSC, BSR, BSC) is the
+    values of its coalesced COO form: duplicate entries summed, every element it does not store
+    a zero. Nothing is written into ``grad``.
+
+    Raises:
+        GradientInputError: a gradient on the meta device (it holds no values).
+        GradDtypeError: a dtype the kernels do not handle.
+    """
+    local = to_local(grad)
+    if local.is_meta:
+        raise GradientInputError(
+            f"{label} is on the meta device and holds no values; take the statistics where "
+            "the gradients were computed"
+        )
+    kernels.check_dtype(local, label)
+    if local.layout == torch.strided:
+        return grad, 0
+    if local is not grad:
+        raise GradientInputError(
+            f"{label} is a sparse DTensor; redistribute it or pass its dense local tensor"
+        )
+    coo = local if local.layout == torch.sparse_coo else local.to_sparse()
+    values = coo.coalesce().values()
+    return values, local.numel() - values.numel()
+
+
+def _megatron_grads(grads_for_norm: _TensorOrList, what: str) -> tuple[list[Tensor], int]:
+    """Gradients given by Megatron's API, checked and made readable; the implicit zeros."""
+    readable, implicit = [], 0
+    for index, grad in enumerate(_as_list(grads_for_norm)):
+        if is_parameter(grad):
+            raise GradientInputError(
+                f"{_label(what, index, grad, of_parameter=False)} is a parameter (it requires "
+                "grad or holds a .grad); pass the gradients (grads_for_norm(params)), not the "
+                "parameters"
+            )
+        tensor, zeros = _readable(grad, _label(what, index, grad, of_parameter=False))
+        readable.append(tensor)
+        implicit += zeros
+    return readable, implicit
+
+
+def check_stats_group(group: Any, what: str) -> None:
+    """Raise unless this rank is a member of ``group`` (None, the default group, always is).
+
+    Raises:
+        StatsGroupError: ``group`` is ``GroupMember.NON_GROUP_MEMBER`` (what ``new_group``
+            returns outside the group) or a ProcessGroup without this rank.
+    """
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    outside = isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER
+    if isinstance(group, dist.ProcessGroup):
+        outside = dist.get_rank(group) < 0
+    if outside:
+        raise StatsGroupError(
+            f"{what}: rank {dist.get_rank()} is not a member of the stats group it was given; "
+            "pass each rank a group that contains it (or None)"
+        )
+
+
 def _stat(
     grads: list[Tensor],
     compute: Callable[[list[Tensor], torch.device], Tensor],
     op: dist.ReduceOp.RedOpType,
     group: dist.ProcessGroup | None,
     *,
-    megatron: bool,
-    tensor_parallel: Sequence[bool] | None = None,
     plain_offset: int = 0,
 ) -> Tensor:
-    """One statistic of ``grads``, each element counted once, reduced over their ranks.
+    """One statistic of ``grads`` with Megatron's semantics, reduced over their ranks.
 
-    Plain gradients count as they are and their statistic is reduced over ``group``. DTensor
-    gradients count by placement (see :mod:`gradstat.core.placements`), reduced over their mesh,
-    then over ``group`` without counting a rank the mesh reduction already covered.
+    Plain gradients count as they are and their statistic is reduced over ``group`` (None: the
+    default group). DTensor gradients count by their own placements (Megatron's attribute
+    filters removed their other copies, see :mod:`gradstat.core.placements`), reduced over
+    their mesh unless ``group`` covers it, then over ``group`` without counting a rank twice.
 
     Args:
-        megatron: Megatron's semantics: ``group`` None is the default group, and only a
-            DTensor's own placements decide (attribute filters removed its other copies). Else
-            ``group`` None is no group (plain gradients are data-parallel replicas), and copies
-            along the root mesh are counted once.
         plain_offset: added to this rank's own statistic before any reduction (the GTP
-            padding a zero count leaves out).
+            padding a zero count leaves out, a sparse gradient's implicit zeros).
     """
     with torch.no_grad():
         plain, meshes = grads, list[MeshShards]()
         if any(type(grad) is not Tensor and is_dtensor(grad) for grad in grads):
-            plain, meshes = split_by_mesh(grads, tensor_parallel, root=not megatron)
-        reduces_later = megatron or group is not None
+            plain, meshes = split_by_mesh(grads)
         every = plain + [shard for bucket in meshes for shard in bucket.shards]
         mesh_groups = [bucket.mesh.get_group(mesh_dim=0) for bucket in meshes]
-        device = stats_device(every, *mesh_groups, group if reduces_later else None)
+        device = stats_device(every, *mesh_groups, group)
         stat = compute(plain, device)
         if plain_offset:
             stat = stat + plain_offset
-        # Every rank joins the reductions, also one with no gradients: skipping would hang.
-        later = group_ranks(group, default_world=megatron) if meshes else frozenset()
+        # With the default group (which covers every mesh) this is one all-reduce on every
+        # rank, whatever its list holds; a smaller group needs the same meshes on every rank.
+        later = group_ranks(group, default_world=True) if meshes else frozenset()
         for bucket in meshes:
             part = reduce_over_mesh(compute(bucket.shards, device), op, bucket.mesh, later)
             stat = torch.maximum(stat, part) if op == dist.ReduceOp.MAX else stat + part
-    if reduces_later:
-        all_reduce(stat, op, group)
+    all_reduce(stat, op, group)
     return stat
 
 
-def _norm(
-    grads: list[Tensor],
-    p: float,
-    group: dist.ProcessGroup | None,
-    *,
-    megatron: bool,
-    tensor_parallel: Sequence[bool] | None = None,
-) -> float:
+def _megatron_norm(grads: list[Tensor], p: float, group: dist.ProcessGroup | None) -> float:
     def reduce(compute: kernels.StatCompute, op: dist.ReduceOp.RedOpType) -> Tensor:
-        return _stat(grads, compute, op, group, megatron=megatron, tensor_parallel=tensor_parallel)
+        return _stat(grads, compute, op, group)
 
     return kernels.reduced_norm(p, reduce)
 
@@ -146,15 +226,20 @@ def get_grad_norm_fp32(
     over ``grad_stats_parallel_group`` and takes the p-th root; when a sum leaves float64's
     range (tiny or huge values, large p) or p < 1, every rank takes the scaled path instead
     (max |x|, then sum (|x|/max)^p), so any p > 0 is exact. Callers pass only the
-    gradients that count (see :func:`grads_for_norm`). DTensor gradients count by their own
+    gradients that count (see :func:`grads_for_norm`): gradients, as Megatron's API takes them;
+    a tensor that requires grad (or holds a ``.grad``) is a parameter given by mistake and is
+    refused. A sparse gradient counts by its values. DTensor gradients count by their own
     placements on any mesh (Shard pieces all, Replicate copies once) and are reduced over their
     mesh first, unless the stats group covers the mesh: a mesh rank is never counted twice.
-    A module left out of a TP plan lives on a slice of the mesh and is a copy on every TP
-    rank: select it on TP rank 0 only, or use :func:`total_norm`, which sees the whole mesh.
+    With the default group every rank joins one all-reduce whatever its list holds; with a
+    smaller group that does not cover a DTensor's mesh, every rank of the mesh must pass
+    gradients of that mesh. A module left out of a TP plan lives on a slice of the mesh and is a
+    copy on every TP rank: select it on TP rank 0 only, or use :func:`total_norm`, which sees
+    the whole mesh.
 
     Args:
-        grads_for_norm: a tensor or an iterable of tensors (fp32, bf16, fp16 or fp64; DTensors
-            on any meshes).
+        grads_for_norm: a tensor or an iterable of tensors (fp32, bf16, fp16 or fp64, strided
+            or sparse; DTensors on any meshes).
         norm_type: 2, 1, ``math.inf`` or any finite p > 0.
         grad_stats_parallel_group: the group the statistics are reduced over. None: the default
             group when torch.distributed is initialized, no reduction otherwise.
@@ -165,32 +250,45 @@ def get_grad_norm_fp32(
     Raises:
         NormTypeError: an unsupported ``norm_type``.
         GradDtypeError: a gradient of an unsupported dtype.
+        GradientInputError: a parameter instead of a gradient, a meta-device gradient.
         PartialGradientError: a DTensor gradient still Partial on a mesh dimension.
+        StatsGroupError: a stats group that does not contain this rank.
     """
     p = check_norm_type(norm_type)
-    return _norm(_as_list(grads_for_norm), p, grad_stats_parallel_group, megatron=True)
+    check_stats_group(grad_stats_parallel_group, "get_grad_norm_fp32")
+    grads, _ = _megatron_grads(grads_for_norm, "get_grad_norm_fp32")
+    return _megatron_norm(grads, p, grad_stats_parallel_group)
 
 
 class GradNorm:
-    """:func:`get_grad_norm_fp32` of the same gradients step after step, prepared once.
+    """:func:`get_grad_norm_fp32` step after step, prepared once.
 
-    A training loop whose gradients stay in place (Megatron's ``main_grad`` buffers, gradients
-    zeroed rather than set to None) builds it once and calls it every step. On one CUDA device
-    with p = 1 or 2, the first call captures the whole computation as a CUDA graph and later
-    calls replay it: one launch and one synchronisation per step, whatever the number of
-    tensors, and no per-tensor work on the host but reading the addresses (a gradient whose
-    storage was replaced is seen, and the graph captured again). Anything else (CPU, DTensor
-    gradients, another p) is :func:`get_grad_norm_fp32` itself. The numbers are the same:
-    exact at any magnitude, NaN and inf propagated.
+    Given parameters (``model.parameters()``, or any tensors that require grad), every call
+    reads their ``.grad`` again, so it is the norm of the gradients they hold now, after
+    ``zero_grad()`` set them to None and the next backward made new ones; the parameters that
+    count are selected once, as :func:`grads_for_norm` selects them. Given gradients (Megatron's
+    ``main_grad`` buffers, gradients zeroed in place rather than set to None), the gradient
+    tensors themselves are kept: a gradient that is replaced by a new tensor is not seen, so
+    pass the parameters whenever ``zero_grad()`` sets gradients to None (PyTorch's default).
+
+    On one CUDA device with p = 1 or 2, the first call captures the whole computation as a CUDA
+    graph and later calls replay it: one launch and one synchronisation per step, whatever the
+    number of tensors, and no per-tensor work on the host but reading the gradients' addresses
+    (and, given parameters, their ``.grad``; a gradient at another address or of another size
+    is seen, and the graph captured again). Anything else (CPU, DTensor gradients, another p)
+    is :func:`get_grad_norm_fp32` itself. The numbers are the same: exact at any magnitude, NaN
+    and inf propagated.
 
     Args:
-        grads_for_norm: the gradients, as for :func:`get_grad_norm_fp32`; the list is kept.
+        grads_for_norm: parameters, or gradients as for :func:`get_grad_norm_fp32` (not a mix).
         norm_type: 2, 1, ``math.inf`` or any finite p > 0.
         grad_stats_parallel_group: as for :func:`get_grad_norm_fp32`.
 
     Raises:
         NormTypeError: an unsupported ``norm_type``.
         GradDtypeError: a gradient of an unsupported dtype.
+        GradientInputError: parameters and gradients mixed in one list.
+        StatsGroupError: a stats group that does not contain this rank.
     """
 
     def __init__(
@@ -199,34 +297,185 @@ class GradNorm:
         norm_type: float = 2,
         grad_stats_parallel_group: dist.ProcessGroup | None = None,
     ) -> None:
-        self.grads = _as_list(grads_for_norm)
+        items = _as_list(grads_for_norm)
         self.p = check_norm_type(norm_type)
         self.group = grad_stats_parallel_group
+        check_stats_group(self.group, "GradNorm")
+        kinds = {is_parameter(item) for item in items}
+        if len(kinds) > 1:
+            raise GradientInputError(
+                "GradNorm: the list mixes parameters and gradients; pass the parameters "
+                "(their .grad is read at every call) or the gradients, not both"
+            )
+        self.parameters: list[Any] | None = None
+        if kinds == {True}:
+            self.parameters = [
+                param
+                for param in items
+                if getattr(param, "__fsdp_param__", False) or param_is_unique(param)
+            ]
+        self.grads = items if self.parameters is None else self._live_grads()
         self._plan: kernels.CudaPlan | None = None
-        grads = self.grads
-        if self.p in (1, 2) and grads and all(type(grad) is Tensor for grad in grads):
-            kernels.check_dtypes(grads)
-            device = grads[0].device
-            same_device = {grad.get_device() for grad in grads} == {device.index}
-            if device.type == "cuda" and same_device and stats_device(grads, self.group) == device:
-                self._plan = kernels.CudaPlan(grads)
+        self._plan_key: tuple[Any, ...] = ()
+        if self.parameters is None:
+            _megatron_grads(self.grads, "GradNorm")
+        if self.p in (1, 2) and self._plannable(self.grads):
+            self._plan = kernels.CudaPlan(self.grads)
+            self._plan_key = self._key(self.grads)
+
+    def _plannable(self, grads: list[Tensor]) -> bool:
+        """Whether a CUDA graph can serve: plain strided gradients on one CUDA device."""
+        if not grads or not all(
+            type(grad) is Tensor and grad.layout == torch.strided for grad in grads
+        ):
+            return False
+        kernels.check_dtypes(grads)
+        device = grads[0].device
+        same_device = {grad.get_device() for grad in grads} == {device.index}
+        return device.type == "cuda" and same_device and stats_device(grads, self.group) == device
+
+    def _live_grads(self) -> list[Tensor]:
+        assert self.parameters is not None
+        return [grad for param in self.parameters if (grad := param.grad) is not None]
+
+    def _key(self, grads: list[Tensor]) -> tuple[Any, ...]:
+        # Given gradients, the list holds them: an address tells a replaced storage. Given
+        # parameters, the gradients may be new tensors: the graph stays right while every one
+        # sits at the same address with the same size and dtype.
+        addresses = tuple(map(Tensor.data_ptr, grads))
+        if self.parameters is None:
+            return addresses
+        return addresses, tuple(map(Tensor.numel, grads)), tuple(grad.dtype for grad in grads)
 
     def __call__(self) -> float:
         """The norm of the gradients' current values, as a Python float."""
-        plan = self._plan
+        if self.parameters is not None:
+            self.grads = self._live_grads()
+        plan, grads = self._plan, self.grads
         if plan is None:
-            return get_grad_norm_fp32(self.grads, self.p, self.group)
-        if tuple(map(Tensor.data_ptr, self.grads)) != plan.addresses:
-            plan = self._plan = kernels.CudaPlan(self.grads)  # a storage was replaced
-        device, p = self.grads[0].device, int(self.p)
+            return get_grad_norm_fp32(grads, self.p, self.group)
+        try:
+            key = self._key(grads)
+        except RuntimeError:  # a sparse gradient has no address
+            key = ()
+        if key != self._plan_key:
+            if not self._plannable(grads):
+                return get_grad_norm_fp32(grads, self.p, self.group)
+            plan = self._plan = kernels.CudaPlan(grads)  # a gradient moved or was resized
+            self._plan_key = key
+        device, p = grads[0].device, int(self.p)
 
         def reduce(compute: kernels.StatCompute, op: dist.ReduceOp.RedOpType) -> Tensor:
-            return all_reduce(compute(self.grads, device), op, self.group)
+            return all_reduce(compute(grads, device), op, self.group)
 
         def partials(tensors: list[Tensor], _device: torch.device) -> Tensor:
             return plan.partials(tensors, p)
 
         return kernels.reduced_norm(self.p, reduce, partials)
+
+
+@dataclass
+class _NativeGrads:
+    """One rank's gradients for a torch-native statistic, sorted before any collective.
+
+    Attributes:
+        plain: plain gradients (data-parallel replicas, or distinct over ``group``).
+        shards: the local DTensor shards this rank holds uniquely in the whole job (Shard
+            pieces, a Replicate copy at coordinate 0 only, see :mod:`gradstat.core.placements`).
+        implicit_zeros: the zeros sparse gradients among ``plain`` do not store.
+        problem: this rank's error, raised on every rank once they have all been told.
+        device: where the statistics live.
+    """
+
+    plain: list[Tensor]
+    shards: list[Tensor]
+    implicit_zeros: int
+    problem: GradstatError | None
+    device: torch.device
+
+
+def _native_grads(parameters: _Params, group: Any, what: str) -> _NativeGrads:
+    """Sort a torch-native job's gradients; an error is kept, to be told to every rank."""
+    plain: list[Tensor] = []
+    shards: list[Tensor] = []
+    implicit, problem = 0, None
+    try:
+        check_stats_group(group, what)
+        grads, tensor_parallel = [], []
+        for index, item in enumerate(_as_list(parameters)):
+            if isinstance(item, Tensor) and not is_parameter(item):
+                grad: Any = item
+            elif is_parameter(item):
+                grad = item.grad
+            else:
+                raise GradientInputError(
+                    f"{what}: item {index} is a {type(item).__name__}, not a tensor or parameter"
+                )
+            if grad is None:
+                continue
+            label = _label(what, index, grad, of_parameter=grad is not item)
+            readable, zeros = _readable(grad, label)
+            grads.append(readable)
+            implicit += zeros
+            tensor_parallel.append(bool(getattr(item, "tensor_model_parallel", False)))
+        plain = grads
+        if any(type(grad) is not Tensor and is_dtensor(grad) for grad in grads):
+            try:
+                plain, meshes = split_by_mesh(grads, tensor_parallel, root=True)
+            except GradstatError:
+                raise
+            except ValueError as error:
+                raise GradientInputError(f"{what}: {error}") from error
+            shards = [shard for bucket in meshes for shard in bucket.shards]
+    except GradstatError as error:
+        plain, shards, implicit, problem = [], [], 0, error
+    if problem is not None and not _distributed():
+        raise problem
+    device = stats_device(plain + shards, None, group if problem is None else None)
+    return _NativeGrads(plain, shards, implicit, problem, device)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _native_reduce(
+    native: _NativeGrads,
+    compute: kernels.StatCompute,
+    op: dist.ReduceOp.RedOpType,
+    group: dist.ProcessGroup | None,
+    *,
+    offset: int = 0,
+) -> Tensor:
+    """``compute`` of a torch-native job's gradients, reduced; the same collectives on every
+    rank, whatever its list holds.
+
+    One all-reduce over the default group carries the DTensor shards' statistic (each element
+    of the job counted on exactly one rank, so one sum serves every mesh) and whether a rank
+    refused its gradients; then, with ``group``, one all-reduce of the plain gradients'
+    statistic over it. Without ``group`` plain gradients are data-parallel replicas and stay
+    as they are.
+    """
+    with torch.no_grad():
+        plain = compute(native.plain, native.device)
+        if offset:
+            plain = plain + offset
+        mesh = compute(native.shards, native.device)
+        if _distributed():
+            refused = torch.tensor([native.problem is not None], dtype=mesh.dtype)
+            world = torch.cat([mesh.reshape(-1), refused.to(mesh.device)])
+            all_reduce(world, op, None)
+            if native.problem is not None:
+                raise native.problem
+            if float(world[-1]):
+                raise GradstatError(
+                    f"rank {dist.get_rank()}: another rank refused its gradients (its error "
+                    "says why), so no statistic was computed; fix that rank's input"
+                )
+            mesh = world[:-1].reshape(mesh.shape)
+            if group is not None:
+                all_reduce(plain, op, group)
+        return torch.maximum(plain, mesh) if op == dist.ReduceOp.MAX else plain + mesh
 
 
 def total_norm(
@@ -240,14 +489,21 @@ def total_norm(
     For FSDP2, HSDP, TP (with or without sequence parallelism) x FSDP2, DDP and single-device
     jobs: DTensor gradients count by placement over their whole mesh (Shard pieces all,
     Replicate copies once, a module left out of a TP plan once), plain gradients as data-parallel
-    replicas (each rank's copy is the full gradient), exactly (float64 partials).
+    replicas (each rank's copy is the full gradient), exactly (float64 partials). A parameter
+    (an ``nn.Parameter``, a tensor that requires grad or holds a ``.grad``) stands for its
+    ``.grad``; any other tensor is a gradient. A sparse gradient counts by its values.
+
+    Once torch.distributed is initialized this is a collective over the default group: every
+    rank calls it, and every rank joins the same reductions whatever its list holds (an empty
+    list, a gradient None on one rank only): one all-reduce serves the DTensors of every mesh
+    in the job, and with ``group`` a second one sums the plain gradients over it.
 
     Args:
         parameters: parameters (their ``.grad``; those without one are skipped) or gradient
             tensors, in any mix of meshes.
         norm_type: 2, 1, ``math.inf`` or any finite p > 0.
-        group: ranks that hold different parameters and no mesh joins, such as pipeline
-            stages: their statistics are summed too. None: none.
+        group: ranks that hold different plain gradients, such as pipeline stages: their
+            statistics are summed too. None: plain gradients are replicas.
 
     Returns:
         The norm as a Python float, the same on every rank.
@@ -255,35 +511,39 @@ def total_norm(
     Raises:
         NormTypeError: an unsupported ``norm_type``.
         GradDtypeError: a gradient of an unsupported dtype.
+        GradientInputError: a meta-device gradient, or an item that is no tensor.
         PartialGradientError: a DTensor gradient still Partial on a mesh dimension.
+        StatsGroupError: a ``group`` that does not contain this rank.
+        GradstatError: another rank raised one of these (every rank raises together).
     """
     p = check_norm_type(norm_type)
-    grads, tensor_parallel = _torch_native_grads(parameters)
-    return _norm(grads, p, group, megatron=False, tensor_parallel=tensor_parallel)
+    native = _native_grads(parameters, group, "total_norm")
+
+    def reduce(compute: kernels.StatCompute, op: dist.ReduceOp.RedOpType) -> Tensor:
+        return _native_reduce(native, compute, op, group)
+
+    return kernels.reduced_norm(p, reduce)
 
 
 def total_zeros(parameters: _Params, *, group: dist.ProcessGroup | None = None) -> int:
     """The number of zero elements of a torch-native job's full gradients (see
-    :func:`total_norm`: DTensors by placement, plain tensors as data-parallel replicas).
+    :func:`total_norm`: parameters and gradients alike, DTensors by placement, plain tensors as
+    data-parallel replicas, a collective over the default group once distributed). A sparse
+    gradient's elements it does not store are zeros.
 
     Args:
         parameters: parameters (their ``.grad``; those without one are skipped) or gradients.
-        group: ranks that hold different parameters and share no mesh (pipeline stages).
+        group: ranks that hold different plain gradients (pipeline stages).
 
     Raises:
         GradDtypeError: a gradient of an unsupported dtype.
+        GradientInputError: a meta-device gradient, or an item that is no tensor.
         PartialGradientError: a DTensor gradient still Partial on a mesh dimension.
+        StatsGroupError: a ``group`` that does not contain this rank.
     """
-    grads, tensor_parallel = _torch_native_grads(parameters)
-    for grad in grads:
-        kernels.check_dtype(to_local(grad))
-    stat = _stat(
-        grads,
-        _zero_count,
-        dist.ReduceOp.SUM,
-        group,
-        megatron=False,
-        tensor_parallel=tensor_parallel,
+    native = _native_grads(parameters, group, "total_zeros")
+    stat = _native_reduce(
+        native, _zero_count, dist.ReduceOp.SUM, group, offset=native.implicit_zeros
     )
     return int(stat)
 
@@ -293,23 +553,62 @@ def _zero_count(tensors: list[Tensor], device: torch.device) -> Tensor:
     return numel - kernels.nonzero_count(tensors, device)
 
 
-def _torch_native_grads(parameters: _Params) -> tuple[list[Tensor], list[bool]]:
-    """The gradients of parameters (or the tensors given), and which are Megatron TP shards."""
-    grads, tensor_parallel = [], []
-    for item in _as_list(parameters):
-        grad = item.grad if isinstance(item, torch.nn.Parameter) else item
-        if grad is not None:
-            grads.append(grad)
-            tensor_parallel.append(bool(getattr(item, "tensor_model_parallel", False)))
-    return grads, tensor_parallel
+def _held_grad(item: Any, attr: str, index: int, what: str) -> Tensor | None:
+    """``item``'s ``.grad`` (or ``.decoupled_grad``); a gradient given for a parameter refused."""
+    grad = getattr(item, attr, None)
+    if (
+        grad is None
+        and isinstance(item, Tensor)
+        and not isinstance(item, torch.nn.Parameter)
+        and not is_parameter(item)
+        and item.layout == torch.strided
+        and attr == "grad"
+    ):
+        raise GradientInputError(
+            f"{what}: item {index} (shape {tuple(item.shape)}) is a gradient, not a parameter "
+            "(it neither requires grad nor holds a .grad); pass the parameters"
+        )
+    return grad
+
+
+def _clip_target(grad: Tensor, label: str) -> Tensor:
+    """The tensor to scale in place for ``grad``; every reason it cannot be scaled, raised
+    before any gradient is.
+
+    A sparse COO gradient is scaled through its values (also uncoalesced: scaling distributes
+    over the duplicates that add up), a compressed one (CSR, CSC, BSR, BSC) through its values.
+    """
+    local = to_local(grad).detach()
+    if local.is_meta:
+        raise GradientInputError(
+            f"{label} is on the meta device and holds no values; nothing could be clipped"
+        )
+    if local.layout == torch.sparse_coo:
+        local = local._values()
+    elif local.layout != torch.strided:
+        local = local.values()
+    if local.is_inference() and not torch.is_inference_mode_enabled():
+        raise GradientInputError(
+            f"{label} is an inference tensor, which cannot be scaled in place outside "
+            "torch.inference_mode(); clip inside it, or clone the gradient"
+        )
+    if local.numel() > 1 and torch._debug_has_internal_overlap(local) == 1:
+        raise GradientInputError(
+            f"{label} has elements sharing memory (an expanded or stride-0 view, strides "
+            f"{local.stride()}): scaling it in place would scale them twice; make it "
+            ".contiguous() first"
+        )
+    return local
 
 
 def _grads_of(parameters: _Params, use_decoupled_grad: bool) -> list[Tensor]:
     attr = "decoupled_grad" if use_decoupled_grad else "grad"
     allowed = (torch.float32, torch.bfloat16) if use_decoupled_grad else (torch.float32,)
-    grads = []
-    for param in _as_list(parameters):
-        grad = getattr(param, attr, None)
+    what = "clip_grad_by_total_norm_fp32"
+    grads: list[Tensor] = []
+    seen: set[int] = set()
+    for index, param in enumerate(_as_list(parameters)):
+        grad = _held_grad(param, attr, index, what)
         if grad is None:
             continue
         if grad.dtype not in allowed:
@@ -319,7 +618,11 @@ def _grads_of(parameters: _Params, use_decoupled_grad: bool) -> list[Tensor]:
                 f"{tuple(param.shape)} is {str(grad.dtype).removeprefix('torch.')}; "
                 f"it must be {names}"
             )
-        grads.append(to_local(grad).detach())
+        target = _clip_target(grad, f"{what}: .{attr} of parameter {index} (shape "
+                              f"{tuple(grad.shape)})")  # fmt: skip
+        if id(grad) not in seen:  # the same gradient listed twice is scaled once
+            seen.add(id(grad))
+            grads.append(target)
     return grads
 
 
@@ -327,8 +630,21 @@ def clip_coefficient(max_norm: float, total_norm: float | Tensor) -> float:
     """Megatron's clip coefficient ``max_norm / (total_norm + 1e-6)``; scale only when < 1.
 
     NaN when the norm is NaN: ``nan < 1`` is false, so non-finite gradients are left as they are.
+    0.0 when the norm is inf: every gradient is multiplied by 0, as Megatron does.
     """
     return float(max_norm) / (float(total_norm) + 1.0e-6)
+
+
+def _clip_number(value: Any, name: str) -> float:
+    """``value`` as a float: a real number or a one-element tensor, not a bool."""
+    if isinstance(value, Tensor) and value.numel() == 1 and not value.is_meta:
+        if value.dtype == torch.bool:
+            raise ClipArgumentError(f"{name} must be a number, got a bool tensor")
+        return float(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    shown = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, Tensor) else repr(value)
+    raise ClipArgumentError(f"{name} must be a number (a float or a 0-dim tensor), got {shown}")
 
 
 def clip_grad_by_total_norm_fp32(
@@ -339,33 +655,51 @@ def clip_grad_by_total_norm_fp32(
 ) -> None:
     """Scale every gradient in place by ``max_norm / (total_norm + 1e-6)`` when that is < 1.
 
-    Gradients are left bitwise untouched when the coefficient is >= 1 (or NaN, as in Megatron).
+    Gradients are left bitwise untouched when the coefficient is >= 1. As in Megatron, a NaN
+    ``total_norm`` gives a NaN coefficient, which is not < 1: nothing is scaled; an infinite
+    one gives 0: every gradient is multiplied by 0 (finite elements become 0, inf and NaN ones
+    NaN). All or none: every gradient is checked (dtype, meta device, memory an in-place
+    multiply cannot write) before the first one is scaled. A sparse gradient is scaled
+    through its stored values; the same gradient listed twice is scaled once.
 
     Args:
         parameters: a tensor or an iterable of tensors whose ``.grad`` (fp32) or
             ``.decoupled_grad`` (fp32 or bf16) is scaled; params without one are skipped.
         max_norm: the largest total norm allowed, > 0.
-        total_norm: the current total norm, a float or a 0-dim tensor.
+        total_norm: the current total norm, >= 0, NaN or inf: a float or a 0-dim tensor.
         use_decoupled_grad: scale ``.decoupled_grad`` instead of ``.grad``.
 
     Raises:
-        ValueError: ``max_norm`` is not a positive number.
+        ClipArgumentError: ``max_norm`` not a positive number, ``total_norm`` negative or not
+            a number (a ValueError and a TypeError).
         GradDtypeError: a ``.grad`` that is not fp32, or a ``.decoupled_grad`` that is not
             fp32/bf16 (Megatron asserts the same).
+        GradientInputError: a gradient on the meta device, an inference tensor, an expanded
+            (stride-0) or otherwise self-overlapping gradient, or a gradient tensor given where
+            its parameter belongs.
     """
-    if not max_norm > 0:
-        raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
+    max_value = _clip_number(max_norm, "max_norm")
+    if not max_value > 0:
+        raise ClipArgumentError(f"max_norm must be a positive number, got {max_norm!r}")
+    norm_value = _clip_number(total_norm, "total_norm")
+    if norm_value < 0:
+        raise ClipArgumentError(
+            f"total_norm must be >= 0 (a norm), got {norm_value!r}: a negative one would flip "
+            "or zero the gradients"
+        )
     grads = _grads_of(parameters, use_decoupled_grad)
-    clip_coeff = clip_coefficient(max_norm, total_norm)
+    clip_coeff = clip_coefficient(max_value, norm_value)
     if grads and clip_coeff < 1.0:
-        if all(grad.is_cuda for grad in grads):
-            torch._foreach_mul_(grads, clip_coeff)
-        else:
-            # On the CPU, the in-place multi-tensor multiply rounds bf16/fp16 products worse than
-            # the plain one (2.6e-3 against 1.3e-3 off float64 on unit bf16 values, which is the
-            # correctly rounded result, and Megatron's): one multiply per tensor costs nothing.
-            for grad in grads:
-                grad.mul_(clip_coeff)
+        with torch.no_grad():
+            if all(grad.is_cuda for grad in grads):
+                torch._foreach_mul_(grads, clip_coeff)
+            else:
+                # On the CPU, the in-place multi-tensor multiply rounds bf16/fp16 products worse
+                # than the plain one (2.6e-3 against 1.3e-3 off float64 on unit bf16 values,
+                # which is the correctly rounded result, and Megatron's): one multiply per
+                # tensor costs nothing.
+                for grad in grads:
+                    grad.mul_(clip_coeff)
 
 
 def grads_for_norm(
@@ -387,8 +721,8 @@ def grads_for_norm(
     attr = "decoupled_grad" if use_decoupled_grad else "grad"
     groups = (tp_group, expert_tp_group, gtp_group, expert_gtp_group)
     selected = []
-    for param in _as_list(parameters):
-        grad = getattr(param, attr, None)
+    for index, param in enumerate(_as_list(parameters)):
+        grad = _held_grad(param, attr, index, "grads_for_norm")
         if grad is None:
             continue
         if getattr(param, "__fsdp_param__", False) or param_is_unique(param, *groups):
@@ -432,24 +766,29 @@ def count_zeros_fp32(
         ValueError: Megatron-FSDP params mixed with DTensor gradients that need a DP reduction.
         GradDtypeError: a gradient of an unsupported dtype.
     """
+    what = "count_zeros_fp32"
+    check_stats_group(grad_stats_parallel_group, what)
     attr = "decoupled_grad" if use_decoupled_grad else "grad"
     groups = (tp_group, expert_tp_group, gtp_group, expert_gtp_group)
     counted: list[Tensor] = []
     fsdp_shards: list[Tensor] = []
-    pad_zeros = 0
-    for param in _as_list(parameters):
-        grad = getattr(param, attr, None)
+    pad_zeros = implicit_zeros = 0
+    for index, param in enumerate(_as_list(parameters)):
+        grad = _held_grad(param, attr, index, what)
         if grad is None:
             continue
-        local = to_local(grad).detach()
-        if getattr(param, "__fsdp_param__", False):
-            fsdp_shards.append(local)
-        elif param_is_unique(param, *groups):
-            pad_zeros += _gtp_pad_zero_count(param, local)
-            counted.append(grad.detach())
-        else:
+        fsdp = getattr(param, "__fsdp_param__", False)
+        if not fsdp and not param_is_unique(param, *groups):
             continue
-        kernels.check_dtype(local)
+        label = _label(what, index, grad, of_parameter=True)
+        readable, implicit = _readable(grad.detach(), label)
+        implicit_zeros += implicit
+        local = to_local(readable)
+        if fsdp:
+            fsdp_shards.append(local)
+        else:
+            pad_zeros += _gtp_pad_zero_count(param, local)
+            counted.append(readable)
     if fsdp_shards and any(is_dtensor(grad) for grad in counted):
         raise ValueError(
             "Megatron-FSDP params (__fsdp_param__) are mixed with DTensor gradients that need a "
@@ -462,7 +801,6 @@ def count_zeros_fp32(
         _zero_count,
         dist.ReduceOp.SUM,
         grad_stats_parallel_group,
-        megatron=True,
-        plain_offset=-pad_zeros,
+        plain_offset=implicit_zeros - pad_zeros,
     )
     return float(int(stats))

@@ -19,6 +19,23 @@ class AttributeMismatchError(GradstatError, ValueError):
     """A parameter's attributes contradict its tensor (for example pad_length beyond the shard)."""
 
 
+class GradientInputError(GradstatError, ValueError):
+    """A gradient (or parameter) the operation cannot take as it is: a parameter given where
+    gradients are expected, a gradient on the meta device, memory that cannot be scaled in
+    place. The message names the tensor by its place in the list and its shape."""
+
+
+class ClipArgumentError(GradstatError, ValueError, TypeError):
+    """A ``max_norm`` or ``total_norm`` clipping cannot use: negative, not a number, a bool.
+
+    A ValueError and a TypeError both, so callers catching either (as they did the raw errors
+    such arguments used to raise) still catch it."""
+
+
+class StatsGroupError(GradstatError, ValueError):
+    """A stats group that this rank is not a member of: its statistic cannot reach this rank."""
+
+
 class SnapshotError(GradstatError):
     """A snapshot that cannot be read or trusted; the message names the file and the problem."""
 
