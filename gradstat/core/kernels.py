@@ -62,6 +62,10 @@ ROW = 512
 # Low-precision gradients are upcast to fp32 this many elements at a time, into one reused
 # buffer that stays in cache (a multiple of ROW, so a full buffer has no tail).
 UPCAST_BLOCK = 1 << 20
+# Without the native kernel, tensors of up to this many elements are summed in float64
+# throughout (a float64 copy of 512 KiB costs about what their fp32 row norms cost); larger
+# ones as fp32 rows, whose errors average out over many rows.
+EXACT_ELEMENTS = 1 << 16
 # Below this sum of p-th powers, fp32 squares may have lost precision to subnormals: recompute
 # in float64. Bounded error above it: (elements x 2^-150) / 2^-90, under 1e-8 for 2^34 elements.
 UNDERFLOW_GUARD = 2.0**-90
@@ -110,27 +114,41 @@ def _split_rows(flat: Tensor) -> tuple[Tensor | None, Tensor]:
 
 
 class _RowNorms:
-    """Collects fp32-or-better row norms and short tails; combines them in float64 at the end."""
+    """Collects fp32-or-better row norms and float64 copies of short pieces (tails, and small
+    tensors whole); combines them in float64 at the end."""
 
     def __init__(self, p: int, device: torch.device) -> None:
         self.p, self.device = p, device
         self.norms: list[Tensor] = []
-        self.tails: list[Tensor] = []
+        self.exact: list[Tensor] = []
+        self.exact_elements = 0
+        self.folded = torch.zeros((), dtype=torch.float64, device=device)
 
     def add(self, flat: Tensor) -> None:
         rows, tail = _split_rows(flat)
         if rows is not None:
             self.norms.append(torch.linalg.vector_norm(rows, ord=self.p, dim=1))
         if tail.numel():
-            # A copy, so that a slice of a reused upcast buffer is not overwritten later.
-            self.tails.append(tail.to(torch.float64, copy=True))
+            self.add_exact(tail)
+
+    def add_exact(self, flat: Tensor) -> None:
+        """Add ``flat`` in float64 throughout (a copy, so that a slice of a reused upcast
+        buffer is not overwritten later)."""
+        self.exact.append(flat.to(torch.float64, copy=True))
+        self.exact_elements += flat.numel()
+        if self.exact_elements >= UPCAST_BLOCK:  # bound the copies kept: fold them in
+            self.folded += self._power_sum(self.exact)
+            self.exact, self.exact_elements = [], 0
+
+    def _power_sum(self, pieces: list[Tensor]) -> Tensor:
+        flat = torch.cat([piece.to(self.device, torch.float64) for piece in pieces])
+        return flat.abs_().pow_(self.p).sum()
 
     def total(self) -> Tensor:
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for pieces in (self.norms, self.tails):
+        total = self.folded.clone()
+        for pieces in (self.norms, self.exact):
             if pieces:
-                flat = torch.cat([piece.to(self.device, torch.float64) for piece in pieces])
-                total += flat.abs_().pow_(self.p).sum()
+                total += self._power_sum(pieces)
         return total
 
 
@@ -138,11 +156,12 @@ class _Upcaster:
     """Packs bf16/fp16 gradients back to back into one reused fp32 buffer that stays in cache.
 
     Rows may straddle tensors (the sum does not care), so small tensors share one norm call
-    and leave no tails; only the final partial buffer has one.
+    and leave no tails; only the final partial buffer has one. A full buffer goes to ``sink``
+    (the native kernel's sum, or row norms).
     """
 
-    def __init__(self, rows: _RowNorms, device: torch.device) -> None:
-        self.rows = rows
+    def __init__(self, sink: Callable[[Tensor], None], device: torch.device) -> None:
+        self.sink = sink
         self.buffer = torch.empty(UPCAST_BLOCK, dtype=torch.float32, device=device)
         self.used = 0
 
@@ -158,35 +177,60 @@ class _Upcaster:
 
     def flush(self) -> None:
         if self.used:
-            self.rows.add(self.buffer[: self.used])
+            self.sink(self.buffer[: self.used])
             self.used = 0
 
 
-def _rows_power_sum(grads: Sequence[Tensor], p: int, device: torch.device) -> Tensor:
-    """Sum of |x|^p (p = 1 or 2) from fp32 norms of ROW-element rows, combined in float64.
+def _native_power_sum(flat: Tensor, p: int) -> float | None:
+    """Sum of |x|^p (p = 1 or 2) of a CPU fp32 or bf16 tensor by the native kernel, in float64
+    with each term exact; None where the kernel is unavailable or does not apply."""
+    fused = native.fused(flat)
+    if fused is None:
+        return None
+    return fused.sum_squares if p == 2 else fused.sum_abs
 
-    CPU bf16 squares go through the native kernel where it is built: it widens bf16 to fp32 in
-    registers, where the upcast to an fp32 buffer cost more than PyTorch's whole bf16 norm.
+
+def _rows_power_sum(grads: Sequence[Tensor], p: int, device: torch.device) -> Tensor:
+    """Sum of |x|^p (p = 1 or 2) of gradients not all on CUDA, in float64.
+
+    CPU fp32 and bf16 gradients go through the native kernel where it is built (fp16 through
+    an fp32 buffer into it): every square or |x| enters a float64 sum exactly, so the sum is
+    float64's to within its additions (see ``_fused.c``). Without the kernel, and for other
+    devices, a tensor of at most ``EXACT_ELEMENTS`` elements is summed in float64 throughout,
+    a larger one as fp32 norms of ``ROW``-element rows combined in float64.
     """
     rows = _RowNorms(p, device)
     upcasters: dict[torch.device, _Upcaster] = {}
-    native_sum = 0.0
+    native_sum = [0.0]
+
+    def to_native(buffer: Tensor) -> None:
+        found = _native_power_sum(buffer, p)
+        if found is None:
+            rows.add(buffer)
+        else:
+            native_sum[0] += found
+
     for grad in grads:
         flat = grad.reshape(-1)
+        if flat.dtype != torch.float64:
+            found = _native_power_sum(flat, p)
+            if found is not None:
+                native_sum[0] += found
+                continue
+        if flat.numel() <= EXACT_ELEMENTS and flat.dtype != torch.float64:
+            rows.add_exact(flat)
+            continue
         if flat.dtype in (torch.float32, torch.float64):
             rows.add(flat)
             continue
-        fused = native.fused(flat) if p == 2 and flat.dtype == torch.bfloat16 else None
-        if fused is not None:
-            native_sum += fused.sum_squares
-            continue
         upcaster = upcasters.get(flat.device)
         if upcaster is None:
-            upcaster = upcasters[flat.device] = _Upcaster(rows, flat.device)
+            sink = to_native if flat.is_cpu else rows.add
+            upcaster = upcasters[flat.device] = _Upcaster(sink, flat.device)
         upcaster.add(flat)
     for upcaster in upcasters.values():
         upcaster.flush()
-    return rows.total() + native_sum
+    return rows.total() + native_sum[0]
 
 
 def _foreach_power_sum(grads: Sequence[Tensor], p: int, device: torch.device) -> Tensor:
@@ -669,8 +713,9 @@ class TensorStats(NamedTuple):
 
 
 def one_pass_serves(finite: Sequence[float], with_inf: bool, zeros: bool) -> bool:
-    """Whether the native kernel's one pass gives some of what is asked (L2, inf or zeros)."""
-    return zeros or with_inf or 2.0 in finite
+    """Whether the native kernel's one pass gives some of what is asked (L1, L2, inf or
+    zeros)."""
+    return zeros or with_inf or 2.0 in finite or 1.0 in finite
 
 
 def tensor_stats(
@@ -684,20 +729,22 @@ def tensor_stats(
     """The p-norms of one tensor for each p in ``finite``, its max |x| when ``with_inf``, and
     its zero count when ``zeros``, each as exact as :func:`norm` makes a norm.
 
-    A CPU fp32 tensor gives its sum of squares, max |x|, NaN flag and zero count in one pass
-    of the native kernel where it is built; its L2 norm is that sum's root unless the sum left
-    the range where fp32 squares are exact (then :func:`norm` recomputes it). ``fused``: that
-    pass, when the caller made it already (:func:`native.fused_many_f32`).
+    A CPU fp32 tensor gives its sums of squares and of |x|, max |x|, NaN flag and zero count in
+    one pass of the native kernel where it is built; its L2 norm is the root of the first sum,
+    its L1 norm the second, as :func:`norm` would take them (which recomputes a sum out of the
+    ordinary range). ``fused``: that pass, when the caller made it already
+    (:func:`native.fused_many_f32`).
     """
     if fused is None and one_pass_serves(finite, with_inf, zeros):
         fused = native.fused_f32(grad)
 
     def one_norm(p: float) -> float:
-        if p == 2 and fused is not None:
+        if p in (1, 2) and fused is not None:
             if fused.max_abs == 0.0 and not fused.has_nan:
                 return 0.0
-            if UNDERFLOW_GUARD <= fused.sum_squares < math.inf:
-                return math.sqrt(fused.sum_squares)
+            total = fused.sum_squares if p == 2 else fused.sum_abs
+            if UNDERFLOW_GUARD <= total < math.inf:
+                return math.sqrt(total) if p == 2 else total
         return norm([grad], p, device)
 
     max_abs = None

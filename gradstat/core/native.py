@@ -1,5 +1,6 @@
-"""gradstat's native kernel: sum of squares, zero count, max |x| and NaN in one pass over an
-fp32 or bf16 tensor.
+"""gradstat's native kernel: sums of squares and of |x|, zero count, max |x| and NaN in one pass
+over an fp32 or bf16 tensor, summed in float64 (each element's square and |x| exact); and the
+guard of mapped files (:func:`guard_map`).
 
 PyTorch has no fused reduction for these, and its ``count_nonzero`` alone costs twice a sum.
 The C source ships with gradstat and is compiled on first use with the machine's C compiler
@@ -50,6 +51,8 @@ __all__ = [
     "fused",
     "fused_f32",
     "fused_many_f32",
+    "guard_map",
+    "guard_release",
     "native_kernel",
     "native_library",
 ]
@@ -65,6 +68,7 @@ class FusedStats(NamedTuple):
     one, at a cost that shows against their pass)."""
 
     sum_squares: float
+    sum_abs: float
     zeros: int
     max_abs: float  # NaN ignored
     has_nan: bool
@@ -195,8 +199,9 @@ def native_library() -> Any:
         )
         _log.debug("native C kernel: unavailable", exc_info=why.__cause__)
         return None
-    # Where the statistics go: sums of squares, zero counts, max |x|, NaN flags.
-    outputs = [ctypes.POINTER(kind) for kind in (c_double, c_int64, ctypes.c_float, c_int32)]
+    # Where the statistics go: sums of squares and of |x|, zero counts, max |x|, NaN flags.
+    kinds = (c_double, c_double, c_int64, ctypes.c_float, c_int32)
+    outputs = [ctypes.POINTER(kind) for kind in kinds]
     for dtype_name in _ENTRY_POINTS.values():
         one = getattr(library, f"gradstat_fused_{dtype_name}")
         one.argtypes = [ctypes.c_void_p, c_int64, c_int32, *outputs]
@@ -204,6 +209,9 @@ def native_library() -> Any:
         arrays = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(c_int64)]
         many.argtypes = [*arrays, c_int32, c_int32, *outputs]
         one.restype = many.restype = c_int32
+    library.gradstat_guard_map.argtypes = [ctypes.c_void_p, c_int64]
+    library.gradstat_guard_release.argtypes = [c_int32]
+    library.gradstat_guard_map.restype = library.gradstat_guard_release.restype = c_int32
     return library
 
 
@@ -241,13 +249,14 @@ def fused(grad: torch.Tensor) -> FusedStats | None:
     if function is None:
         return None
     flat = grad.contiguous()
-    sum_squares, zeros = ctypes.c_double(), ctypes.c_int64()
+    sum_squares, sum_abs, zeros = ctypes.c_double(), ctypes.c_double(), ctypes.c_int64()
     max_abs, has_nan = ctypes.c_float(), ctypes.c_int32()
     status = function(
         flat.data_ptr(),
         flat.numel(),
         torch.get_num_threads(),
         ctypes.byref(sum_squares),
+        ctypes.byref(sum_abs),
         ctypes.byref(zeros),
         ctypes.byref(max_abs),
         ctypes.byref(has_nan),
@@ -255,7 +264,8 @@ def fused(grad: torch.Tensor) -> FusedStats | None:
     if status != 0:
         return None  # out of memory for the per-chunk sums: let PyTorch do it
     _say_used(dtype_name)
-    return FusedStats(sum_squares.value, zeros.value, max_abs.value, bool(has_nan.value))
+    stats = (sum_squares.value, sum_abs.value, zeros.value, max_abs.value, bool(has_nan.value))
+    return FusedStats(*stats)
 
 
 def fused_f32(grad: torch.Tensor) -> FusedStats | None:
@@ -277,7 +287,8 @@ def fused_many_f32(grads: Sequence[torch.Tensor]) -> list[FusedStats | None]:
         return found
     flats = [grads[index].contiguous() for index in chosen]
     count = len(flats)
-    sums, zeros = (ctypes.c_double * count)(), (ctypes.c_int64 * count)()
+    sums, sums_abs = (ctypes.c_double * count)(), (ctypes.c_double * count)()
+    zeros = (ctypes.c_int64 * count)()
     peaks, nans = (ctypes.c_float * count)(), (ctypes.c_int32 * count)()
     status = function(
         (ctypes.c_void_p * count)(*(flat.data_ptr() for flat in flats)),
@@ -285,6 +296,7 @@ def fused_many_f32(grads: Sequence[torch.Tensor]) -> list[FusedStats | None]:
         count,
         torch.get_num_threads(),
         sums,
+        sums_abs,
         zeros,
         peaks,
         nans,
@@ -292,7 +304,32 @@ def fused_many_f32(grads: Sequence[torch.Tensor]) -> list[FusedStats | None]:
     if status != 0:
         return found  # out of memory for the per-chunk sums: let PyTorch do it
     _say_used("f32")
-    results = zip(sums, zeros, peaks, map(bool, nans), strict=True)
+    results = zip(sums, sums_abs, zeros, peaks, map(bool, nans), strict=True)
     for index, stats in zip(chosen, results, strict=True):
         found[index] = FusedStats._make(stats)
     return found
+
+
+def guard_map(address: int, length: int) -> int | None:
+    """Guard the map of ``length`` bytes at ``address`` against a truncation of its file.
+
+    While it is guarded, a touch of a page the truncation cut off (by this kernel, a PyTorch
+    operation or a copy) reads zeros instead of killing the process with SIGBUS, and
+    :func:`guard_release` tells it happened, so that the caller discards what it computed.
+
+    Returns:
+        The guard to release, or None where the library is unavailable or every guard is taken
+        (the map is then unguarded).
+    """
+    library = native_library()
+    if library is None:
+        return None
+    guard = int(library.gradstat_guard_map(address, length))
+    return None if guard < 0 else guard
+
+
+def guard_release(guard: int) -> bool:
+    """Release a guard of :func:`guard_map`; whether a page of its map faulted meanwhile."""
+    library = native_library()
+    assert library is not None, "a guard is only handed out by the library"
+    return bool(library.gradstat_guard_release(guard))

@@ -38,6 +38,7 @@ from typing import IO, Any
 
 import torch
 
+from gradstat.core import native
 from gradstat.errors import SnapshotError
 from gradstat.snapshot.format import (
     CODE_NAMES,
@@ -296,26 +297,33 @@ def _check_tiling(path: Path, slots: dict[str, TensorSlot], data_len: int | None
 
 
 class MappedTensors(Mapping[str, torch.Tensor]):
-    """A mapped rank file's tensors by name, as read-only views of the map (or of the bytes
-    kept when the file was read whole), each made when it is first looked up: a tensor that
-    does not count (a replica) costs nothing.
+    """A rank file's tensors by name, as read-only views of its map (or of the bytes kept when
+    the file was read whole), each made when it is first looked up: a tensor that does not
+    count (a replica) costs nothing.
 
-    Each lookup first checks, through the map's own descriptor, that the file still has the
-    size it was validated at: a page that a truncation cut off faults with SIGBUS when touched,
-    and Python cannot catch that signal. What remains is the window between the check and the
-    caller's last touch of that tensor (one tensor's passes): a truncation landing there still
-    kills the process. Reading the file instead of mapping it would close the window, but a
-    read pass took 2.5 to 5.7 times as long as a mapped one (16 x 64 MiB fp32, page cache warm,
-    fused norm pass), so the map stays for all but small files; look a tensor up right before
-    reading it. Kept bytes need no check.
+    A file truncated while it is read (a job rewriting its dump meanwhile) must give one line,
+    never a crash. A page of a map that a truncation cut off faults with SIGBUS when it is
+    touched, in whatever code touches it (the native kernel, a PyTorch operation, a copy), and
+    Python cannot catch that signal. So the map is guarded by the native library while the
+    ``with`` block runs (:func:`gradstat.core.native.guard_map`): such a page then reads zeros,
+    and the block's end raises a :class:`SnapshotError` naming the file, so that nothing
+    computed from it is used. Each lookup also checks, through the descriptor, that the file
+    still has the size it was validated at, which finds most truncations before a page is
+    touched. Where the library is unavailable (no C compiler, ``GRADSTAT_NATIVE=0``), each
+    tensor is read into memory of its own instead (``preadv``), where a truncation is a short
+    read; the map stays for the guarded case, as a read pass took 2.5 to 5.7 times as long as
+    a mapped one (16 x 64 MiB fp32, page cache warm, fused norm pass). Kept bytes need neither.
 
-    A context manager (see :func:`mapped`): the file is mapped, or found unchanged, as the
-    ``with`` block begins; the views are dropped and the map closed as it ends.
+    A context manager (see :func:`mapped`): the file is mapped (or opened), or found
+    unchanged, as the ``with`` block begins; the views are dropped and the map closed as it
+    ends.
     """
 
     def __init__(self, container: Container) -> None:
         self._container = container
         self._view: mmap.mmap | bytearray | None = None
+        self._guard: int | None = None
+        self._descriptor: int | None = None  # the file's, where tensors are read, not mapped
         self._made: dict[str, torch.Tensor] = {}
 
     def __enter__(self) -> MappedTensors:
@@ -332,36 +340,97 @@ class MappedTensors(Mapping[str, torch.Tensor]):
             self._view = container.data
             return self
         try:
-            with open(container.path, "rb") as file:
-                change = container.stamp.change(FileStamp.of(file.fileno()))
-                if change is not None:
-                    raise _changed(container.path, change)
-                self._view = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+            descriptor = os.open(container.path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as error:
+            raise SnapshotError(
+                f"{container.path}: cannot open ({error.strerror or error})"
+            ) from error
+        try:
+            change = container.stamp.change(FileStamp.of(descriptor))
+            if change is not None:
+                raise _changed(container.path, change)
+            if native.native_library() is not None:
+                self._map(descriptor)
+        except OSError as error:
+            os.close(descriptor)
             raise SnapshotError(
                 f"{container.path}: cannot map ({error.strerror or error})"
             ) from error
+        except BaseException:
+            os.close(descriptor)
+            raise
+        if self._guard is None:
+            self._descriptor = descriptor
+        else:
+            os.close(descriptor)  # the map keeps a descriptor of its own
         return self
+
+    def _map(self, descriptor: int) -> None:
+        """Map the file and guard the map; an unguarded map is closed again (then read)."""
+        view = mmap.mmap(descriptor, 0, access=mmap.ACCESS_READ)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            address = torch.frombuffer(view, dtype=torch.uint8).data_ptr()
+        self._guard = native.guard_map(address, len(view))
+        if self._guard is None:
+            view.close()
+        else:
+            self._view = view
 
     def __exit__(self, *exception: object) -> None:
         view, self._view = self._view, None
+        guard, self._guard = self._guard, None
+        descriptor, self._descriptor = self._descriptor, None
         self._made.clear()
+        faulted = guard is not None and native.guard_release(guard)
         if isinstance(view, mmap.mmap):
             # A caller that kept a tensor alive keeps the map: it closes with the last view.
             with contextlib.suppress(BufferError):
                 view.close()
+        if descriptor is not None:
+            os.close(descriptor)
+        if faulted:
+            # What was computed from the zeros past the new end must not be used.
+            raise _changed(self._container.path, "truncated while its tensors were read")
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        if self._view is None:
+        if self._view is None and self._descriptor is None:
             raise KeyError(name)
-        if isinstance(self._view, mmap.mmap):
-            size = self._view.size()  # an fstat of the map's descriptor: the file as it is now
-            if size != self._container.stamp.size:
-                was = self._container.stamp.size
-                raise _changed(self._container.path, f"now {size} bytes, {was} when checked")
+        # An fstat of the file's descriptor (the map's own): the file as it is now.
+        now = None
+        if self._descriptor is not None:
+            now = os.fstat(self._descriptor).st_size
+        elif isinstance(self._view, mmap.mmap):
+            now = self._view.size()
+        was = self._container.stamp.size
+        if now is not None and now != was:
+            raise _changed(self._container.path, f"now {now} bytes, {was} when checked")
         tensor = self._made.get(name)
         if tensor is None:
-            tensor = self._made[name] = self._make(self._container.slots[name], self._view)
+            slot = self._container.slots[name]
+            if self._descriptor is not None:
+                tensor = self._read(name, slot, self._descriptor)
+            else:
+                assert self._view is not None
+                tensor = self._make(slot, self._view)
+            self._made[name] = tensor
+        return tensor
+
+    def _read(self, name: str, slot: TensorSlot, descriptor: int) -> torch.Tensor:
+        """Tensor ``name`` read from the file into memory of its own."""
+        dtype = DTYPES[slot.dtype][0]
+        tensor = torch.empty(slot.shape, dtype=dtype)
+        size = slot.end - slot.start
+        if size == 0:
+            return tensor
+        into = memoryview((ctypes.c_ubyte * size).from_address(tensor.data_ptr())).cast("B")
+        start, done = self._container.data_start + slot.start, 0
+        while done < size:
+            got = os.preadv(descriptor, [into[done:]], start + done)
+            if got == 0:
+                how = f"it ends inside tensor {name!r}, {done} of its {size} bytes read"
+                raise _changed(self._container.path, how)
+            done += got
         return tensor
 
     def _make(self, slot: TensorSlot, view: mmap.mmap | bytearray) -> torch.Tensor:
