@@ -154,7 +154,7 @@ def test_nonfinite_and_audit_findings_show_names_literally(tmp_path: Path) -> No
     differing = write_hostile(tmp_path / "replica" / DIR_NAME, defect="replica")
     result = _gradstat("audit", differing)
     assert result.returncode == 1 and result.stderr == ""
-    findings = result.stdout[result.stdout.index("findings") :]
+    findings = result.stdout[result.stdout.index("1 finding") :]  # one, singular
     _assert_shown(findings, {"close[/]tag": "close[/]tag"})
 
 

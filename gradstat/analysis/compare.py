@@ -43,7 +43,7 @@ from gradstat.analysis.tiles import (
 from gradstat.distributed.runner import Processes, gather_jobs
 from gradstat.snapshot import Snapshot
 
-__all__ = ["CompareReport", "ParamDiff", "TotalDiff", "compare_snapshots", "rel_diff"]
+__all__ = ["CompareReport", "ParamDiff", "TotalDiff", "compare_snapshots", "ratio", "rel_diff"]
 
 DEFAULT_RTOL = 1e-5
 
@@ -57,6 +57,19 @@ def rel_diff(a: float, b: float) -> float:
     if math.isinf(a) or math.isinf(b):
         return math.inf
     return abs(a - b) / max(abs(a), abs(b))
+
+
+def ratio(a: float, b: float) -> float:
+    """b / a: 1 for equal values (two zeros too), inf for a zero A under a non-zero B, NaN if
+    either is NaN. Unlike ``rel_diff``, which nears 1 for any large change, it tells a 100x
+    jump (100) from a 10x one (10)."""
+    if a == b:
+        return 1.0
+    if math.isnan(a) or math.isnan(b):
+        return math.nan
+    if a == 0:
+        return math.copysign(math.inf, b)
+    return b / a
 
 
 def _beyond(diff: float | None, rtol: float) -> bool:
@@ -137,7 +150,7 @@ def _totals(stats_a: SnapshotStats, stats_b: SnapshotStats, rtol: float) -> tupl
         diff = rel_diff(float(a), float(b))
         exact = isinstance(a, int)
         flagged = a != b if exact else _beyond(diff, rtol)
-        totals.append(TotalDiff(measure, a, b, diff, flagged))
+        totals.append(TotalDiff(measure, a, b, diff, flagged, ratio(float(a), float(b))))
     return tuple(totals)
 
 
@@ -176,6 +189,7 @@ def _param_diff(
         norm_a=norm_a,
         norm_b=norm_b,
         rel_diff=diff,
+        ratio=None if norm_a is None or norm_b is None else ratio(norm_a, norm_b),
         zeros_a=None if a is None else a.zeros,
         zeros_b=None if b is None else b.zeros,
         num_elements_a=None if a is None else a.numel,
@@ -231,4 +245,5 @@ def compare_snapshots(
         totals=_totals(stats_a, stats_b, rtol),
         params=params,
         mismatches=tuple(param.name for param in params if param.flags),
+        has_experts=any(param.expert for stats in (stats_a, stats_b) for param in stats.params),
     )

@@ -7,8 +7,10 @@ lost rank) are skipped. They are read one at a time, in step order, each once: w
 a few numbers per parameter and snapshot.
 
 A parameter jumps at the first snapshot where its norm is non-finite, or more than ``factor``
-times the median of its earlier finite norms, or its zero count moved by more than
-``zeros_change`` of its elements since the snapshot before.
+times the median of its earlier finite norms, or its zero count moved away from its baseline
+(the median of its earlier counts) by more than ``zeros_change`` of its elements and to at
+least twice or at most half the baseline. A high count alone is no jump: an embedding's rows
+that no token of a batch used are zeros in every snapshot, more or fewer with each batch.
 """
 
 from __future__ import annotations
@@ -26,11 +28,16 @@ from gradstat.errors import SnapshotError
 from gradstat.snapshot.reader import Snapshot
 
 __all__ = [
+    "JUMP_KINDS",
     "History",
     "ParamSeries",
     "find_snapshots",
     "read_history",
 ]
+
+
+# The kinds of a first jump, the most telling first: how findings are ordered.
+JUMP_KINDS = ("nonfinite", "norm", "zeros")
 
 
 def find_snapshots(root: Path) -> list[Path]:
@@ -58,7 +65,7 @@ class ParamSeries:
     norms: list[float] = field(default_factory=list)
     zeros: list[int] = field(default_factory=list)
     jump_step: int | None = None
-    jump_kind: str | None = None  # "nonfinite", "norm" or "zeros"
+    jump_kind: str | None = None  # one of JUMP_KINDS
 
 
 @dataclass
@@ -70,20 +77,37 @@ class History:
     paths: list[Path] = field(default_factory=list)
     totals: list[float] = field(default_factory=list)
     total_zeros: list[int] = field(default_factory=list)
+    triggers: list[tuple[str, ...]] = field(default_factory=list)  # what took each snapshot
     params: dict[str, ParamSeries] = field(default_factory=dict)
+
+    def jumped(self) -> list[ParamSeries]:
+        """The parameters that jumped, the most telling kind first (non-finite, then norm,
+        then zero count), each kind in step order: a real norm jump is never listed below a
+        zero count's move."""
+        found = [series for series in self.params.values() if series.jump_step is not None]
+        return sorted(
+            found,
+            key=lambda series: (JUMP_KINDS.index(series.jump_kind or "zeros"), series.jump_step),
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "norm_type": self.norm_type,
+            "norm_type": json_number(self.norm_type),
             "snapshots": [
                 {
                     "path": str(path),
                     "step": step,
                     "total_norm": json_number(total),
                     "num_zeros": zeros,
+                    "triggers": list(triggers),
                 }
-                for path, step, total, zeros in zip(
-                    self.paths, self.steps, self.totals, self.total_zeros, strict=True
+                for path, step, total, zeros, triggers in zip(
+                    self.paths,
+                    self.steps,
+                    self.totals,
+                    self.total_zeros,
+                    self.triggers,
+                    strict=True,
                 )
             ],
             "params": [
@@ -134,6 +158,7 @@ def read_history(
         history.paths.append(path)
         history.totals.append(stats.norm(norm_type))
         history.total_zeros.append(stats.zeros)
+        history.triggers.append(snapshot.files[0].header.triggers)
         for param in stats.params:
             series = history.params.setdefault(param.name, ParamSeries(param.name, param.numel))
             _extend(series, step, param.norm(norm_type), param.zeros, factor, zeros_change)
@@ -152,9 +177,18 @@ def _extend(
             kind = "nonfinite"
         elif earlier and norm > factor * statistics.median(earlier):
             kind = "norm"
-        elif series.zeros and abs(zeros - series.zeros[-1]) > zeros_change * series.numel:
+        elif series.zeros and _zeros_moved(series.zeros, zeros, zeros_change * series.numel):
             kind = "zeros"
         if kind is not None:
             series.jump_step, series.jump_kind = step, kind
     series.norms.append(norm)
     series.zeros.append(zeros)
+
+
+def _zeros_moved(earlier: list[int], zeros: int, elements: float) -> bool:
+    """Whether ``zeros`` left the baseline of the ``earlier`` counts: by more than ``elements``
+    and by a factor of two at least (a count that doubles or halves, or leaves zero)."""
+    baseline = statistics.median(earlier)
+    if abs(zeros - baseline) <= elements:
+        return False
+    return zeros >= 2 * baseline or 2 * zeros <= baseline

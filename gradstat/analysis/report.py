@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from gradstat.analysis.stats import NonFinite, SnapshotStats
     from gradstat.core.placements import MeshPlacement
+    from gradstat.snapshot.format import RankHeader
 from gradstat.snapshot import Snapshot, SnapshotShare
 
 __all__ = [
+    "ZEROS_ORDERS",
     "AuditReport",
     "ClipReport",
     "CompareReport",
@@ -53,20 +55,47 @@ def jsonable(data: Any) -> Any:
     return data
 
 
+def _count(number: int, noun: str) -> str:
+    """``1 rank``, ``2 ranks``: a number and its noun, singular or plural."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
+def _are(number: int) -> str:
+    return "is" if number == 1 else "are"
+
+
 @dataclass(frozen=True)
 class SnapshotInfo:
+    """What a snapshot says of itself, at the top of every report."""
+
     path: str
     world_size: int
     step: int | None
     distributed_optimizer: bool
+    triggers: tuple[str, ...] = ()  # why the flight recorder took it ("spike", ...); () by hand
+    # Every gradient is a DTensor: its placements decide what counts, and the header's
+    # optimizer flag says nothing of the job's optimizer unless it was set.
+    dtensor: bool = False
+
+
+def _first_header(snapshot: Snapshot | SnapshotShare) -> RankHeader:
+    """Rank 0's header: every rank file's for what they share (checked by the reader), and on
+    process 0 under torchrun the one file of the share whose parameter records are read."""
+    if isinstance(snapshot, SnapshotShare) and not (snapshot.files and snapshot.files[0].rank == 0):
+        return snapshot.summaries[0].header
+    return snapshot.files[0].header
 
 
 def snapshot_info(snapshot: Snapshot | SnapshotShare) -> SnapshotInfo:
+    header = _first_header(snapshot)
+    with_grad = [record for record in header.params if record.has_grad]
     return SnapshotInfo(
         str(snapshot.directory),
         snapshot.world_size,
         snapshot.step,
         snapshot.distributed_optimizer,
+        triggers=header.triggers,
+        dtensor=bool(with_grad) and all(record.dtensor is not None for record in with_grad),
     )
 
 
@@ -74,10 +103,13 @@ def snapshot_info(snapshot: Snapshot | SnapshotShare) -> SnapshotInfo:
 class ParamNormRow:
     name: str
     norm: float
-    share: float  # of total_norm^p (of total_norm for inf)
+    # Its part of total_norm^p, which the parts sum to; None for the inf norm, where a
+    # parameter's max |g| is no part of a sum (see ``ratio``). NaN where a norm is not finite.
+    share: float | None
     num_elements: int
     expert: bool
     ranks: int  # how many rank files hold a counted piece of it
+    ratio: float = math.nan  # norm / total_norm (for inf: its max |g| over the largest one)
 
 
 @dataclass(frozen=True)
@@ -92,6 +124,7 @@ class NormReport:
     max_norm: float | None
     clip_coeff: float | None
     params_left_out: int = 0  # rows cut by ``top``
+    has_experts: bool = False  # any counted parameter is an expert's: the split means something
 
     @property
     def all_zero(self) -> bool:
@@ -106,12 +139,17 @@ class NormReport:
         return dict(jsonable(data))
 
 
-def _share(norm: float, total: float, norm_type: float) -> float:
+def _ratio(norm: float, total: float) -> float:
     if not (math.isfinite(norm) and math.isfinite(total)):
         return math.nan
-    if total == 0:
-        return 0.0
-    return norm / total if norm_type == math.inf else (norm / total) ** norm_type
+    return 0.0 if total == 0 else norm / total
+
+
+def _share(norm: float, total: float, norm_type: float) -> float | None:
+    """The parameter's part of ``total^p``; None for the inf norm, which is a max, not a sum."""
+    if norm_type == math.inf:
+        return None
+    return float(_ratio(norm, total) ** norm_type)
 
 
 def _by_contribution(row: ParamNormRow) -> tuple[bool, float]:
@@ -143,6 +181,7 @@ def norm_report(
             num_elements=param.numel,
             expert=param.expert,
             ranks=len(set(param.ranks)),
+            ratio=_ratio(param.norm(norm_type), total),
         )
         for param in stats.params
     ]
@@ -160,6 +199,7 @@ def norm_report(
         max_norm=max_norm,
         clip_coeff=clip_coeff,
         params_left_out=0 if top is None else max(len(rows) - top, 0),
+        has_experts=any(param.expert for param in stats.params),
     )
 
 
@@ -205,6 +245,8 @@ class ZerosReport:
     padding_excluded: int
     sparsity: float
     params: tuple[ParamZerosRow, ...]
+    sort: str = "zeros"  # the order of ``params``: one of ZEROS_ORDERS
+    params_left_out: int = 0  # rows cut by ``top``
 
     @property
     def all_zero(self) -> bool:
@@ -221,9 +263,26 @@ def _sparsity(zeros: int, elements: int) -> float:
     return zeros / elements if elements else 0.0
 
 
-def zeros_report(snapshot: Snapshot | SnapshotShare, stats: SnapshotStats) -> ZerosReport:
-    """num_zeros as Megatron counts it (GTP padding excluded), and per parameter."""
-    rows = tuple(
+# How ``gradstat zeros`` orders its parameters: most zeros first, highest sparsity first, or
+# the snapshot's own (module) order. Ties keep the module order.
+ZEROS_ORDERS = ("zeros", "sparsity", "module")
+
+
+def zeros_report(
+    snapshot: Snapshot | SnapshotShare,
+    stats: SnapshotStats,
+    sort: str = "zeros",
+    top: int | None = None,
+) -> ZerosReport:
+    """num_zeros as Megatron counts it (GTP padding excluded), and per parameter.
+
+    Args:
+        sort: one of ``ZEROS_ORDERS``.
+        top: keep the first ``top`` parameters in that order; None keeps every one.
+    """
+    if sort not in ZEROS_ORDERS:
+        raise ValueError(f"sort must be one of {', '.join(ZEROS_ORDERS)}, got {sort!r}")
+    rows = [
         ParamZerosRow(
             name=param.name,
             num_zeros=param.zeros,
@@ -232,14 +291,20 @@ def zeros_report(snapshot: Snapshot | SnapshotShare, stats: SnapshotStats) -> Ze
             sparsity=_sparsity(param.zeros, param.numel),
         )
         for param in stats.params
-    )
+    ]
+    if sort == "zeros":
+        rows.sort(key=lambda row: -row.num_zeros)
+    elif sort == "sparsity":
+        rows.sort(key=lambda row: -row.sparsity)
     return ZerosReport(
         snapshot=snapshot_info(snapshot),
         num_zeros=stats.zeros,
         num_elements=stats.numel,
         padding_excluded=stats.pad_zeros,
         sparsity=_sparsity(stats.zeros, stats.numel),
-        params=rows,
+        params=tuple(rows if top is None else rows[:top]),
+        sort=sort,
+        params_left_out=0 if top is None else max(len(rows) - top, 0),
     )
 
 
@@ -349,24 +414,31 @@ def _placement_notes(snapshot: Snapshot) -> tuple[str, ...]:
     if not dtensors:
         return ()
     dp_size = first.coords["dp"][1]
+    # A Shard over a mesh dimension of size 1 leaves the whole tensor on each rank: no shard.
     sharded = {
         record.name
         for file in snapshot.files
         for record in file.header.params
         if record.dtensor is not None
-        and any(code.startswith("S") for code in record.dtensor.placements)
+        and any(
+            code.startswith("S") and record.dtensor.mesh_shape[dim] > 1
+            for dim, code in enumerate(record.dtensor.placements)
+        )
     }
     if dp_size > 1 and not first.distributed_optimizer and sharded:
         notes.append(
-            f"the coordinates say plain-optimizer data-parallel replicas (dp size {dp_size}), "
-            f"but {len(sharded)} DTensor gradients are sharded by their placements: every "
-            "DTensor counts by its placements, not by the dp coordinate"
+            f"the coordinates say data-parallel replicas (dp size {dp_size}), but "
+            f"{_count(len(sharded), 'DTensor gradient')} {_are(len(sharded))} sharded by "
+            "their placements: every DTensor counts by its placements, not by the dp "
+            "coordinate"
         )
     tp_size = first.coords["tp"][1]
     if tp_size > 1:
         notes.append(
-            f"{len(dtensors)} DTensor gradients count by their placements, not by the tp "
-            f"coordinate (tp size {tp_size})"
+            f"{_count(len(dtensors), 'DTensor gradient')} count"
+            f"{'s' if len(dtensors) == 1 else ''} by "
+            f"{'its' if len(dtensors) == 1 else 'their'} placements, not by the tp coordinate "
+            f"(tp size {tp_size})"
         )
     return tuple(notes)
 
@@ -382,6 +454,7 @@ class ParamDiff:
     norm_a: float | None
     norm_b: float | None
     rel_diff: float | None
+    ratio: float | None  # norm_b / norm_a: how many times A's norm B's is (rel_diff saturates)
     zeros_a: int | None
     zeros_b: int | None
     num_elements_a: int | None
@@ -403,6 +476,7 @@ class TotalDiff:
     b: float | int
     rel_diff: float
     flagged: bool
+    ratio: float = 1.0  # b / a
 
 
 @dataclass(frozen=True)
@@ -413,6 +487,7 @@ class CompareReport:
     totals: tuple[TotalDiff, ...]
     params: tuple[ParamDiff, ...]
     mismatches: tuple[str, ...]  # the flagged parameters, in module order
+    has_experts: bool = False  # either side counts an expert parameter
 
     @property
     def flagged(self) -> bool:

@@ -440,6 +440,42 @@ def _parse_norm_type(text: str) -> float:
         raise GradstatError(message) from None
 
 
+def _holds_rank_files(folder: str) -> bool:
+    try:
+        return any(name.endswith(".safetensors") for name in os.listdir(folder))
+    except OSError:
+        return False
+
+
+def _refuse_run_dir(*snapshot_dirs: Path) -> None:
+    """Refuse a directory of snapshots (the flight recorder's run directory, holding step-N
+    folders) where one snapshot is wanted, naming the snapshots it holds.
+
+    Raises:
+        GradstatError: ``snapshot_dir`` holds no rank file but folders that do.
+    """
+    for snapshot_dir in snapshot_dirs:
+        try:
+            entries = list(os.scandir(snapshot_dir))
+        except OSError:
+            continue  # the reader says what is wrong with it
+        if any(entry.name.endswith(".safetensors") for entry in entries):
+            continue
+        found = sorted(
+            entry.name
+            for entry in entries
+            if not entry.name.startswith(".") and entry.is_dir() and _holds_rank_files(entry.path)
+        )
+        if not found:
+            continue
+        named = found if len(found) <= 4 else [*found[:2], "...", found[-1]]
+        noun = "snapshot" if len(found) == 1 else "snapshots"
+        raise GradstatError(
+            f"{snapshot_dir} holds {len(found)} {noun} ({', '.join(named)}), not rank files; "
+            f"pass one of them, or use gradstat history {snapshot_dir}"
+        )
+
+
 def _statistics(
     snapshot_dir: Path,
     norm_types: tuple[float, ...],
@@ -457,6 +493,7 @@ def _statistics(
     from gradstat.analysis.stats import Request, gather_pieces, merge
     from gradstat.distributed.runner import open_shared, pick_device, together
 
+    _refuse_run_dir(snapshot_dir)
     processes = _session().join(timeout, [snapshot_dir], as_json)
     snapshot = open_shared(processes, snapshot_dir)
     request = Request.make(norm_types, zeros, together(processes, lambda: pick_device(device)))
@@ -485,9 +522,11 @@ def _emit(as_json: bool, document: dict[str, Any], draw: Callable[[Console], Non
         if as_json:
             sys.stdout.write(json.dumps(document, indent=2, allow_nan=False) + "\n")
         else:
-            # A terminal gets its own width; a pipe or a log file gets tables that do not fold.
+            # A terminal gets its own width, as does a pipe given COLUMNS; a pipe or a log file
+            # without it, 160 columns. Tables never break a word whatever the width (render.py).
             # Names are data: no ``:name:`` code in them becomes an emoji.
-            draw(_ResultConsole(width=None if sys.stdout.isatty() else 160, emoji=False))
+            given = os.environ.get("COLUMNS", "").isdigit() or sys.stdout.isatty()
+            draw(_ResultConsole(width=None if given else 160, emoji=False))
 
 
 def _print_version(value: bool) -> None:
@@ -569,6 +608,23 @@ def norm(
 @app.command()
 def zeros(
     snapshot_dir: SnapshotArg,
+    top: Annotated[
+        int | None,
+        typer.Option(
+            "--top",
+            min=1,
+            help="Parameters to list, in --sort order (the table: 20 unless given; the JSON: "
+            "every one unless given, then also how many were left out).",
+        ),
+    ] = None,
+    sort: Annotated[
+        str,
+        typer.Option(
+            "--sort",
+            help="zeros (most zeros first), sparsity (sparsest first) or module (the "
+            "snapshot's order).",
+        ),
+    ] = "zeros",
     as_json: JsonOption = False,
     device: DeviceOption = "cpu",
     timeout: TimeoutOption = 30.0,
@@ -578,13 +634,15 @@ def zeros(
 
     Exit status 1 when every gradient is zero (a snapshot dumped before the backward pass?).
     """
-    from gradstat.analysis.report import zeros_report
+    from gradstat.analysis.report import ZEROS_ORDERS, zeros_report
     from gradstat.cli.render import print_zeros
 
+    if sort not in ZEROS_ORDERS:
+        raise GradstatError(f"--sort {sort!r} is not an order; use {', '.join(ZEROS_ORDERS)}")
     snapshot, stats, prints = _statistics(snapshot_dir, (), True, device, timeout, as_json)
     if not prints:
         return
-    report = zeros_report(snapshot, stats)
+    report = zeros_report(snapshot, stats, sort, top if as_json else (top or 20))
     _emit(as_json, report.to_json(), lambda console: print_zeros(console, report))
     if report.all_zero:
         raise typer.Exit(EXIT_FINDINGS)
@@ -691,6 +749,7 @@ def compare(
     from gradstat.distributed.runner import pick_device, together
     from gradstat.snapshot import Snapshot
 
+    _refuse_run_dir(snapshot_a, snapshot_b)
     processes = _session().join(timeout, [snapshot_a, snapshot_b], as_json)
     *snapshots, where = together(
         processes,
@@ -726,6 +785,7 @@ def audit(
     from gradstat.distributed.runner import pick_device, together
     from gradstat.snapshot import Snapshot
 
+    _refuse_run_dir(snapshot_dir)
     processes = _session().join(timeout, [snapshot_dir], as_json)
     snapshot, where = together(
         processes, lambda: (Snapshot.open(snapshot_dir), pick_device(device))
@@ -747,6 +807,7 @@ def inspect(
     from gradstat.cli.render import print_inspect
     from gradstat.snapshot import Snapshot
 
+    _refuse_run_dir(snapshot_dir)
     report = inspect_report(Snapshot.open(snapshot_dir))
     _emit(as_json, report.to_json(), lambda console: print_inspect(console, report))
 

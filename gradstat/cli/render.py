@@ -3,8 +3,10 @@
 Parameter names, paths and whatever else a snapshot or the command line supplies are data: they
 go through ``_shown``, so no text in them is taken for rich markup or reaches the terminal as a
 control sequence. Print with ``Console(emoji=False)``: rich would turn ``:name:`` codes into
-emoji otherwise. Importing this module is cheap (no torch): the CLI's error line uses
-``visible``.
+emoji otherwise. A table never breaks a word to fit the terminal (a parameter name must stay
+one piece that can be copied): its headings wrap between words, and a table that still does
+not fit is printed wider than the terminal (``_print_table``). Importing this module is cheap
+(no torch): the CLI's error line uses ``visible``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
+from rich.measure import Measurement
 from rich.table import Table
 
 if TYPE_CHECKING:
@@ -62,6 +65,57 @@ def _shown(text: str) -> str:
     return escape(visible(text))
 
 
+def _count(number: int, noun: str) -> str:
+    """``1 rank``, ``2 ranks``: a number and its noun, singular or plural."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
+_UNBOUNDED = 1 << 20  # columns: a width no table reaches, to measure it unconstrained
+
+
+def _print_table(console: Console, table: Table) -> None:
+    """Print ``table`` with every cell's words whole.
+
+    rich shrinks a table that is wider than the console by folding its cells mid-word (or
+    cutting them with an ellipsis). Here a table that fits is printed as it is; one that does
+    not gets column widths that keep each column's longest word (no-wrap columns, the
+    parameter names, whole), headings and lists wrapping between words, and when even that is
+    wider than the console it is printed at that width: the terminal wraps the line, and a
+    name copied from it is the name.
+    """
+    wide = console.options.update_width(_UNBOUNDED)
+    if Measurement.get(console, wide, table).maximum <= console.width:
+        console.print(table)
+        return
+    ranges = []
+    for column in table.columns:
+        cells = [Measurement.get(console, wide, cell) for cell in (column.header, *column.cells)]
+        longest = max(cell.maximum for cell in cells)
+        word = longest if column.no_wrap else max(cell.minimum for cell in cells)
+        ranges.append((word, longest))
+    widths = [word for word, _ in ranges]
+    # Borders and padding: what the table adds to its columns' contents.
+    overhead = Measurement.get(console, wide, table).maximum - sum(high for _, high in ranges)
+    spare = console.width - overhead - sum(widths)
+    # The spare columns go first to the columns that need the least to be whole on one line.
+    for index in sorted(range(len(ranges)), key=lambda i: ranges[i][1] - ranges[i][0]):
+        grow = min(max(spare, 0), ranges[index][1] - widths[index])
+        widths[index] += grow
+        spare -= grow
+    for column, width in zip(table.columns, widths, strict=True):
+        column.width = width
+    needed = sum(widths) + overhead
+    if needed <= console.width:
+        console.print(table)
+        return
+    previous = console.width
+    console.width = needed
+    try:
+        console.print(table)
+    finally:
+        console.width = previous
+
+
 def _number(value: float, digits: int = 6) -> str:
     if math.isnan(value):
         return "[bold red]nan[/]"
@@ -83,46 +137,64 @@ ALL_ZERO = (
 
 
 def _header(console: Console, info: SnapshotInfo) -> None:
-    optimizer = "distributed optimizer" if info.distributed_optimizer else "plain optimizer"
-    step = "" if info.step is None else f", step {info.step}"
-    console.print(f"[bold]{_shown(info.path)}[/]: {info.world_size} ranks, {optimizer}{step}")
+    """The snapshot's line: its ranks, what kind of gradients, its step, what took it.
+
+    A snapshot of DTensor gradients says nothing of an optimizer unless its header says
+    "distributed": their placements decide what counts, whatever the job's optimizer.
+    """
+    parts = [_count(info.world_size, "rank")]
+    if info.distributed_optimizer:
+        parts.append("distributed optimizer")
+    elif info.dtensor:
+        parts.append("DTensor gradients")
+    else:
+        parts.append("plain optimizer")
+    if info.step is not None:
+        parts.append(f"step {info.step}")
+    if info.triggers:
+        noun = "trigger" if len(info.triggers) == 1 else "triggers"
+        parts.append(f"{noun}: {', '.join(info.triggers)}")
+    # soft_wrap: a long path stays one piece for the terminal to wrap, never cut by rich
+    console.print(f"[bold]{_shown(info.path)}[/]: {_shown(', '.join(parts))}", soft_wrap=True)
 
 
 def print_norm(console: Console, report: NormReport) -> None:
     _header(console, report.snapshot)
     name = _norm_name(report.norm_type)
-    console.print(
-        f"total {name} norm [bold]{_number(report.total_norm, 10)}[/] "
-        f"(dense {_number(report.dense_norm, 8)}, expert {_number(report.expert_norm, 8)})"
-    )
+    split = ""
+    if report.has_experts:
+        split = f" (dense {_number(report.dense_norm, 8)}, expert {_number(report.expert_norm, 8)})"
+    console.print(f"total {name} norm [bold]{_number(report.total_norm, 10)}[/]{split}")
     if report.clip_coeff is not None and report.max_norm is not None:
         verdict = "clips" if report.clip_coeff < 1.0 else "does not clip"
         console.print(
             f"max_norm {report.max_norm:g}: clip coefficient {_number(report.clip_coeff, 8)} "
             f"({verdict})"
         )
-    share = (
-        "share of norm" if report.norm_type == math.inf else f"share of norm^{report.norm_type:g}"
-    )
+    # The inf norm is a max: a parameter's max |g| over the total is no share of a sum.
+    maximum = report.norm_type == math.inf
+    share = "max |g| / total" if maximum else f"share of norm^{report.norm_type:g}"
     counted = len(report.params) + report.params_left_out
-    table = Table(title=f"parameters by contribution ({len(report.params)} of {counted} shown)")
-    table.add_column("parameter", overflow="fold")
+    order = "largest |g|" if maximum else "contribution"
+    table = Table(title=f"parameters by {order} ({len(report.params)} of {counted} shown)")
+    table.add_column("parameter", no_wrap=True)
     for column in (f"{name} norm", share, "elements", "ranks"):
         table.add_column(column, justify="right")
     for row in report.params:
         label = f"{_shown(row.name)} [dim](expert)[/]" if row.expert else _shown(row.name)
-        shown = "-" if math.isnan(row.share) else f"{row.share:.2%}"
+        part = row.ratio if row.share is None else row.share
+        shown = "-" if math.isnan(part) else f"{part:.2%}"
         table.add_row(label, _number(row.norm), shown, str(row.num_elements), str(row.ranks))
-    console.print(table)
+    _print_table(console, table)
     if report.nonfinite:
         found = Table(title="[bold red]non-finite gradients[/]")
         found.add_column("rank", justify="right")
-        found.add_column("parameter", overflow="fold")
+        found.add_column("parameter", no_wrap=True)
         for column in ("NaN", "Inf"):
             found.add_column(column, justify="right")
         for item in report.nonfinite:
             found.add_row(str(item.rank), _shown(item.name), str(item.nan), str(item.inf))
-        console.print(found)
+        _print_table(console, found)
     if report.all_zero:
         console.print(ALL_ZERO)
 
@@ -133,8 +205,12 @@ def print_zeros(console: Console, report: ZerosReport) -> None:
         f"num_zeros [bold]{report.num_zeros}[/] of {report.num_elements} elements "
         f"({report.sparsity:.2%}); GTP padding excluded: {report.padding_excluded}"
     )
-    table = Table(title="zeros per parameter")
-    table.add_column("parameter", overflow="fold")
+    order = {"zeros": "most zeros first", "sparsity": "sparsest first", "module": "module order"}
+    counted = len(report.params) + report.params_left_out
+    table = Table(
+        title=f"zeros per parameter, {order[report.sort]} ({len(report.params)} of {counted} shown)"
+    )
+    table.add_column("parameter", no_wrap=True)
     for column in ("zeros", "elements", "sparsity", "padding excluded"):
         table.add_column(column, justify="right")
     for row in report.params:
@@ -145,7 +221,7 @@ def print_zeros(console: Console, report: ZerosReport) -> None:
             f"{row.sparsity:.2%}",
             str(row.padding_excluded),
         )
-    console.print(table)
+    _print_table(console, table)
     if report.all_zero:
         console.print(ALL_ZERO)
 
@@ -156,10 +232,10 @@ def print_inspect(console: Console, report: InspectReport) -> None:
     total = sum(file.bytes for file in report.files)
     console.print(
         f"format version {report.format_version}; axes: {axes or 'none split'}; "
-        f"{len(report.files)} files, {total} bytes"
+        f"{_count(len(report.files), 'file')}, {_count(total, 'byte')}"
     )
     table = Table(title="parameters")
-    table.add_column("parameter", overflow="fold")
+    table.add_column("parameter", no_wrap=True)
     for column in ("dtype", "local shape", "ranks", "kind", "attributes"):
         table.add_column(column, justify="right" if column == "ranks" else "left")
     for row in report.params:
@@ -187,7 +263,7 @@ def print_inspect(console: Console, report: InspectReport) -> None:
             row.kind,
             _shown(", ".join(notes)),
         )
-    console.print(table)
+    _print_table(console, table)
     for note in report.notes:
         console.print(f"note: {_shown(note)}")
 
@@ -216,24 +292,35 @@ def _maybe(value: float | int | None, digits: int = 6) -> str:
     return str(value) if isinstance(value, int) else _number(value, digits)
 
 
+def _ratio(value: float) -> str:
+    """B/A as a multiple (``100x``), telling the jumps that a relative difference near 1 hides."""
+    if math.isnan(value) or math.isinf(value):
+        return _number(value)
+    return f"{value:.4g}x"
+
+
 def print_compare(console: Console, report: CompareReport, show_all: bool = False) -> None:
     for side, info in (("A", report.a), ("B", report.b)):
         console.print(f"{side}: ", end="")
         _header(console, info)
     totals = Table(title=f"whole model (rtol {report.rtol:g})")
-    totals.add_column("measure")
-    for column in ("A", "B", "rel. diff"):
+    totals.add_column("measure", no_wrap=True)
+    for column in ("A", "B", "rel. diff", "B/A"):
         totals.add_column(column, justify="right")
     for total in report.totals:
+        if not report.has_experts and total.measure in ("dense_norm", "expert_norm"):
+            continue  # no expert parameter: dense is the total, expert nothing
         a, b = (str(x) if isinstance(x, int) else _number(x, 10) for x in (total.a, total.b))
         diff = _number(total.rel_diff, 3)
-        totals.add_row(total.measure, a, b, f"[bold red]{diff}[/]" if total.flagged else diff)
-    console.print(totals)
+        shown = f"[bold red]{diff}[/]" if total.flagged else diff
+        multiple = "" if isinstance(total.a, int) else _ratio(total.ratio)  # counts: no ratio
+        totals.add_row(total.measure, a, b, shown, multiple)
+    _print_table(console, totals)
     rows = [param for param in report.params if show_all or param.flags]
     scope = "all parameters" if show_all else "flagged parameters"
     table = Table(title=f"{scope} ({len(report.mismatches)} of {len(report.params)} flagged)")
-    table.add_column("parameter", overflow="fold")
-    for column in ("L2 A", "L2 B", "rel. diff", "zeros A", "zeros B", "max |A-B|"):
+    table.add_column("parameter", no_wrap=True)
+    for column in ("L2 A", "L2 B", "rel. diff", "B/A", "zeros A", "zeros B", "max |A-B|"):
         table.add_column(column, justify="right")
     table.add_column("flags")
     for param in rows:
@@ -246,17 +333,18 @@ def print_compare(console: Console, report: CompareReport, show_all: bool = Fals
             _maybe(param.norm_a),
             _maybe(param.norm_b),
             _maybe(param.rel_diff, 3),
+            "-" if param.ratio is None else _ratio(param.ratio),
             _maybe(param.zeros_a),
             _maybe(param.zeros_b),
             elementwise,
             f"[bold red]{flags}[/]" if flags else "",
         )
     if rows:
-        console.print(table)
+        _print_table(console, table)
     unplaced = [param for param in report.params if param.not_rebuilt]
     if unplaced:
         console.print(
-            f"[dim]{len(unplaced)} parameters not compared element by element "
+            f"[dim]{_count(len(unplaced), 'parameter')} not compared element by element "
             f"(first: {_shown(unplaced[0].name)}: {_shown(unplaced[0].not_rebuilt or '')})[/]"
         )
     if report.flagged:
@@ -268,17 +356,17 @@ def print_compare(console: Console, report: CompareReport, show_all: bool = Fals
 def print_audit(console: Console, report: AuditReport) -> None:
     _header(console, report.snapshot)
     console.print(
-        f"{report.params_checked} parameters checked; total L2 norm "
+        f"{_count(report.params_checked, 'parameter')} checked; total L2 norm "
         f"{_number(report.total_norm, 10)}"
     )
     if not report.findings:
         console.print("[bold green]no findings[/]: every copy, padding row and attribute agrees")
         return
-    table = Table(title=f"[bold red]{len(report.findings)} findings[/]")
+    table = Table(title=f"[bold red]{_count(len(report.findings), 'finding')}[/]")
     table.add_column("#", justify="right")
-    table.add_column("finding")
-    table.add_column("parameter", overflow="fold")
-    table.add_column("ranks", overflow="fold")
+    table.add_column("finding", no_wrap=True)
+    table.add_column("parameter", no_wrap=True)
+    table.add_column("ranks")
     for column in ("max |diff|", "norm if miscounted", "change"):
         table.add_column(column, justify="right")
     for number, finding in enumerate(report.findings, 1):
@@ -295,7 +383,7 @@ def print_audit(console: Console, report: AuditReport) -> None:
             _maybe(finding.norm_if_miscounted, 8),
             change,
         )
-    console.print(table)
+    _print_table(console, table)
     for number, finding in enumerate(report.findings, 1):
         console.print(f"{number:>2}. {_shown(finding.detail)}")
 
@@ -379,27 +467,41 @@ def sparkline(values: Iterable[float]) -> str:
     return "".join(chars)
 
 
+def _triggered(history: History) -> str:
+    """Which snapshots each trigger took: ``every at 5, 10; spike at 9``."""
+    steps: dict[str, list[str]] = {}
+    for step, triggers in zip(history.steps, history.triggers, strict=True):
+        for trigger in triggers:
+            steps.setdefault(trigger, []).append(str(step))
+    return "; ".join(f"{trigger} at {', '.join(at)}" for trigger, at in steps.items())
+
+
 def print_history(console: Console, history: History, top: int | None = 20) -> None:
-    """The total norm as a sparkline, then the parameters that jumped (earliest first) and the
-    largest of the rest, each with its own sparkline."""
+    """The total norm as a sparkline, what took the snapshots, then the parameters that jumped
+    (non-finite first, then norm, then zero count; each kind earliest first) and the largest
+    of the rest, each with its own sparkline."""
     totals = history.totals
     finite = [value for value in totals if math.isfinite(value)]
     span = f"{min(finite):.6g} .. {max(finite):.6g}" if finite else "no finite norm"
     console.print(
-        f"{len(history.steps)} snapshots, steps {history.steps[0]} .. {history.steps[-1]}; "
-        f"total norm ({span}): {sparkline(totals)}"
+        f"{_count(len(history.steps), 'snapshot')}, steps {history.steps[0]} .. "
+        f"{history.steps[-1]}; total norm ({span}): {sparkline(totals)}"
     )
-    rows = sorted(
-        history.params.values(),
+    triggered = _triggered(history)
+    if triggered:
+        console.print(f"taken by the flight recorder's triggers: {_shown(triggered)}")
+    jumped = history.jumped()
+    rest = sorted(
+        (series for series in history.params.values() if series.jump_step is None),
         key=lambda series: (
-            series.jump_step is None,
-            series.jump_step if series.jump_step is not None else 0,
-            -max((norm for norm in series.norms if math.isfinite(norm)), default=0.0),
+            -max((norm for norm in series.norms if math.isfinite(norm)), default=0.0)
         ),
     )
-    table = Table(title="per parameter, in step order")
-    for column in ("parameter", "first jump", "first norm", "last norm", "norm over steps"):
-        table.add_column(column, justify="left" if column == "parameter" else "right")
+    rows = jumped + rest
+    table = Table(title="per parameter, jumps first")
+    table.add_column("parameter", no_wrap=True)
+    for column in ("first jump", "first norm", "last norm", "norm over steps"):
+        table.add_column(column, justify="right", no_wrap=column == "norm over steps")
     shown = rows if top is None else rows[:top]
     for series in shown:
         jump = "" if series.jump_step is None else f"{series.jump_kind} at {series.jump_step}"
@@ -410,6 +512,7 @@ def print_history(console: Console, history: History, top: int | None = 20) -> N
             _number(series.norms[-1]),
             sparkline(series.norms),
         )
-    console.print(table)
+    _print_table(console, table)
     if len(rows) > len(shown):
-        console.print(f"{len(rows) - len(shown)} more parameters (--top, or --json for all)")
+        more = _count(len(rows) - len(shown), "more parameter")
+        console.print(f"{more} (--top, or --json for all)")
