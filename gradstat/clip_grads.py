@@ -403,10 +403,10 @@ def _native_grads(parameters: _Params, group: Any, what: str) -> _NativeGrads:
         check_stats_group(group, what)
         grads, tensor_parallel = [], []
         for index, item in enumerate(_as_list(parameters)):
-            if isinstance(item, Tensor) and not is_parameter(item):
-                grad: Any = item
-            elif is_parameter(item):
-                grad = item.grad
+            if is_parameter(item):
+                grad = getattr(item, "grad", None)
+            elif isinstance(item, Tensor):
+                grad = item
             else:
                 raise GradientInputError(
                     f"{what}: item {index} is a {type(item).__name__}, not a tensor or parameter"
@@ -424,7 +424,7 @@ def _native_grads(parameters: _Params, group: Any, what: str) -> _NativeGrads:
                 plain, meshes = split_by_mesh(grads, tensor_parallel, root=True)
             except GradstatError:
                 raise
-            except ValueError as error:
+            except ValueError as error:  # a mesh without this rank, copies it cannot tell
                 raise GradientInputError(f"{what}: {error}") from error
             shards = [shard for bucket in meshes for shard in bucket.shards]
     except GradstatError as error:
@@ -717,6 +717,10 @@ def grads_for_norm(
     duplicates. Megatron-FSDP params (``__fsdp_param__``) always count. The result is what
     :func:`get_grad_norm_fp32` expects. A group left None is read from Megatron's
     ``parallel_state`` inside a live Megatron job; outside one, it means the axis is not split.
+
+    Raises:
+        GradientInputError: a gradient tensor given where its parameter belongs (it has no
+            ``.grad``: it would be left out without a word).
     """
     attr = "decoupled_grad" if use_decoupled_grad else "grad"
     groups = (tp_group, expert_tp_group, gtp_group, expert_gtp_group)
@@ -745,7 +749,8 @@ def count_zeros_fp32(
     Skips params without a gradient, ``shared`` copies, TP/ETP and GTP/EGTP duplicates, and
     excludes GTP alignment padding. Megatron-FSDP params (``__fsdp_param__``) count their local
     DTensor shard with no further data-parallel reduction. Counts are summed over a DTensor's
-    mesh group, then over ``grad_stats_parallel_group``.
+    mesh group, then over ``grad_stats_parallel_group``. A sparse gradient's elements it does
+    not store are zeros.
 
     Args:
         parameters: a tensor or an iterable of tensors carrying Megatron's attributes.
@@ -765,6 +770,8 @@ def count_zeros_fp32(
     Raises:
         ValueError: Megatron-FSDP params mixed with DTensor gradients that need a DP reduction.
         GradDtypeError: a gradient of an unsupported dtype.
+        GradientInputError: a meta-device gradient, or a gradient tensor given for a parameter.
+        StatsGroupError: a stats group that does not contain this rank.
     """
     what = "count_zeros_fp32"
     check_stats_group(grad_stats_parallel_group, what)
