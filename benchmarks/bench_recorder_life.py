@@ -55,7 +55,8 @@ def _walk(params: int, steps: int) -> None:
         norm = _median_us(lambda: gradstat.total_norm(grads), max(steps // 10, 10))
     print(f"walk: {params} parameters: list(model.parameters()) {walk:.0f} us per step")
     print(f"      recorder.step {step:.0f} us, gradstat.total_norm {norm:.0f} us")
-    print(f"      the walk is {walk / step:.1%} of the step; step / total_norm = {step / norm:.2f}x")
+    share, ratio = walk / step, step / norm
+    print(f"      the walk is {share:.1%} of the step; step / total_norm = {ratio:.2f}x")
 
 
 def _agree_rank(rank: int, rendezvous: str, steps: int) -> None:

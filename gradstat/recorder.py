@@ -239,15 +239,18 @@ class _Agreement:
     bounded, on a gloo group made at construction (a collective: every rank builds its
     Recorder). A rank that does not arrive is named."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, dump_s: float) -> None:
         self.timeout_s = timeout_s
+        # After a dump, a rank may still be in its own wait for it (up to max_dump_s).
+        self.dump_s = dump_s
+        self.grace_s = 0.0
         self.rank = dist.get_rank() if _ready() else 0
         self.size = dist.get_world_size() if _ready() else 1
         self.failure: str | None = None
         self.group = None
         if self.size > 1:
             # The group's own timeout stays above the waits below, which come first.
-            limit = timedelta(seconds=2 * timeout_s + 30)
+            limit = timedelta(seconds=2 * timeout_s + dump_s + 30)
             self.group = dist.new_group(backend="gloo", timeout=limit)
 
     def exchange(
@@ -274,6 +277,7 @@ class _Agreement:
             answer = self._gather(what, values, decide, length)
         else:
             answer = self._answer_from_zero(what, values, length)
+        self.grace_s = 0.0
         return answer[1 : 1 + len(values) + extra]
 
     def _fail(self, message: str) -> PeerTimeoutError:
@@ -294,7 +298,7 @@ class _Agreement:
         decide: Callable[[list[int]], list[int]] | None,
         length: int,
     ) -> list[int]:
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + self.timeout_s + self.grace_s
         received = {src: torch.zeros(len(values), dtype=torch.int64) for src in range(1, self.size)}
         works = {
             src: _posted(dist.irecv(buffer, src=src, group=self.group))
@@ -333,7 +337,7 @@ class _Agreement:
         sent = _posted(dist.isend(values_tensor, dst=0, group=self.group))
         answer = torch.zeros(length, dtype=torch.int64)
         # Rank 0 may wait timeout_s for another rank before it answers.
-        patience = 2 * self.timeout_s
+        patience = 2 * self.timeout_s + self.grace_s
         try:
             received = _posted(dist.irecv(answer, src=0, group=self.group))
             received.wait(timedelta(seconds=patience))
@@ -474,7 +478,7 @@ class Recorder:
         self._said_mismatch = False
         self.history: deque[float] = deque(maxlen=window)
         self.records: list[StepRecord] = []
-        self._agreement = _Agreement(agree_timeout_s)
+        self._agreement = _Agreement(agree_timeout_s, self.max_dump_s)
         _, attempt = self._agreement.exchange("construction", [0], lambda _: [self._begin()], 1)
         self.attempt = f"{attempt:010x}"
 
@@ -658,6 +662,7 @@ class Recorder:
         ``max_dump_s``: past that, training goes on and the snapshot is abandoned, marked so
         that it is never renamed complete (its gradients change from here on)."""
         self._dumps += 1
+        self._agreement.grace_s = self.max_dump_s  # the next agreement waits for this dump too
         final = self._final(step, repeat)
         partial = self.directory / f".step-{step:08d}.{self.attempt}-{self._dumps}.partial"
         rank, world_size = self._agreement.rank, self._agreement.size
@@ -674,6 +679,7 @@ class Recorder:
                     coords=self.coords,
                     mesh=self.mesh,
                     triggers=triggers,
+                    empty_ok=True,  # a rank without gradients still completes the snapshot
                 )
                 if rank == 0 and self._wait_for_all(partial, world_size):
                     if any(partial.glob(".abandoned-rank-*")):

@@ -391,6 +391,29 @@ def _a_peer_that_never_comes(rank: int, world_size: int, missing: int) -> Any:
     return errors, time.monotonic() - started
 
 
+_FULL = torch.arange(8, dtype=torch.float32).reshape(4, 2) + 1
+
+
+def _uneven_dtensor_lists(rank: int, world_size: int, directory: str) -> Any:
+    """A Shard(0) DTensor parameter whose gradient is None on rank 1 at step 2 only."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    local = _FULL[2 * rank : 2 * rank + 2]
+    weight = torch.nn.Parameter(DTensor.from_local(local.clone(), mesh, [Shard(0)]))
+    recorder = gradstat.Recorder(
+        [("w", weight)], directory, steps=[2], spike=None, agree_timeout_s=30
+    )
+    norms = []
+    for step in (1, 2, 3):
+        present = rank == 0 or step != 2
+        grad = DTensor.from_local(local * step, mesh, [Shard(0)], run_check=False)
+        weight.grad = grad if present else None
+        norms.append(recorder.step(step))
+    return norms, str(recorder.records[1].snapshot)
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Any]:
     """One launch of 2 gloo ranks for the three cases (a process start costs seconds)."""
@@ -401,6 +424,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Any
     cases = [
         Case("resume", _resume_over_leftovers, str(resumed)),
         Case("apart", _steps_apart, str(apart)),
+        Case("uneven", _uneven_dtensor_lists, str(root / "uneven")),
         Case("rank 1 missing", _a_peer_that_never_comes, 1),
         Case("rank 0 missing", _a_peer_that_never_comes, 0),
     ]
@@ -439,6 +463,31 @@ def test_two_ranks_on_different_steps_say_so_and_take_no_snapshot(
         )
         assert all("skipped" in line for line in lines[1:]) and len(lines) == 5, lines
     assert not apart.exists() or list(apart.iterdir()) == []
+
+
+@pytest.mark.multiprocess
+def test_ranks_whose_gradient_lists_differ_agree_and_complete_the_snapshot(
+    two_ranks: tuple[Path, Path, Any],
+) -> None:
+    """Items 2 and 8: a gradient None on one rank only (DTensor lists that differ) gives every
+    rank the same norm of the gradients there are, the collectives stay in step, and the rank
+    without a gradient still writes its file."""
+    _, _, report = two_ranks
+    rows = _FULL.double()
+    expected = [
+        _exact_norm([rows]),
+        _exact_norm([2 * rows[:2]]),  # rank 0's shard only
+        _exact_norm([3 * rows]),
+    ]
+    outcomes = report.values("uneven")
+    for norms, _ in outcomes:
+        assert all(_close(got, want) for got, want in zip(norms, expected, strict=True)), norms
+    snapshot = Path(outcomes[0][1])
+    assert outcomes[1][1] == str(snapshot) and snapshot.name == "step-00000002"
+    header, tensors = _saved(snapshot, 1)
+    assert tensors == {} and [record["grad"] for record in header["params"]] == [False]
+    _, tensors = _saved(snapshot, 0)
+    assert _close(_exact_norm(list(tensors.values())), expected[1])
 
 
 @pytest.mark.multiprocess

@@ -405,6 +405,7 @@ def dump_rank(
     mesh: Any = None,
     overwrite: bool = False,
     triggers: Sequence[str] = (),
+    empty_ok: bool = False,
 ) -> Path:
     """Dump this rank of a live job: coordinates and names worked out, then :func:`save_rank`.
 
@@ -436,6 +437,9 @@ def dump_rank(
         mesh: a DeviceMesh whose dimension names are gradstat axes.
         overwrite: replace an existing rank file.
         triggers: why the snapshot was taken, recorded in it (the flight recorder's triggers).
+        empty_ok: write the file even when no parameter has a gradient (the flight recorder:
+            a rank whose gradients are all None, frozen or unused, still completes the
+            snapshot, with its parameters recorded as without gradient).
 
     Returns:
         The rank file's path.
@@ -462,7 +466,7 @@ def dump_rank(
     pairs, grad_attr, distributed_optimizer = gradients_to_dump(
         model, optimizer, grad_attr, distributed_optimizer
     )
-    if not any(getattr(param, grad_attr, None) is not None for _, param in pairs):
+    if not empty_ok and not any(getattr(param, grad_attr, None) is not None for _, param in pairs):
         raise SnapshotError(
             f"rank {rank}: none of the {len(pairs)} parameters has a .{grad_attr}: dump "
             "after backward and before zero_grad (a snapshot of no gradients would read "
