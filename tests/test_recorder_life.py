@@ -176,6 +176,29 @@ def test_a_replayed_step_keeps_both_snapshots_and_each_record_points_at_its_own(
     assert capsys.readouterr().err == ""
 
 
+def test_history_reads_a_replayed_steps_snapshots_in_the_order_written(tmp_path: Path) -> None:
+    from gradstat.analysis.history import read_history
+
+    model = torch.nn.Linear(3, 2)
+    expected = []
+    for scale in (1.0, 2.0, 3.0):  # step 6 once in a run, twice in its resumes
+        recorder = gradstat.Recorder(model, tmp_path, steps=[5, 6], keep=10, spike=None)
+        for step in (5, 6) if scale == 1.0 else (6,):
+            _backward(model, scale * torch.ones(2, 3))
+            recorder.step(step)
+            expected.append((step, _exact_norm(_grads(model))))
+    history = read_history(tmp_path)
+    assert [path.name for path in history.paths] == [
+        "step-00000005",
+        "step-00000006",
+        "step-00000006.1",
+        "step-00000006.2",
+    ]
+    assert history.steps == [5, 6, 6, 6]
+    for total, (_, norm) in zip(history.totals, sorted(expected, key=lambda e: e[0]), strict=True):
+        assert math.isclose(total, norm, rel_tol=1e-7)
+
+
 def test_every_failure_on_the_writer_thread_is_one_warning_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -16,6 +16,7 @@ that no token of a batch used are zeros in every snapshot, more or fewer with ea
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -125,6 +126,19 @@ class History:
         }
 
 
+# The flight recorder's names: step-N, and step-N.1, step-N.2, ... for a step replayed.
+_RECORDER_NAME = re.compile(r"^step-(\d+)(?:\.(\d+))?$")
+
+
+def _repeat_of(path: Path, step: int) -> int | None:
+    """Which of a replayed step's snapshots ``path`` is (0, 1, ...) when the flight recorder
+    named it for ``step``; None for any other name."""
+    match = _RECORDER_NAME.match(path.name)
+    if match is None or int(match.group(1)) != step:
+        return None
+    return int(match.group(2) or 0)
+
+
 def _step_of(snapshot: Snapshot, index: int) -> int:
     step = snapshot.files[0].header.step
     return index if step is None else step
@@ -141,15 +155,17 @@ def read_history(
     """Read every snapshot under ``root`` once, in step order, and find each parameter's jump.
 
     Raises:
-        SnapshotError: no snapshots, a bad snapshot (named), two snapshots of the same step.
+        SnapshotError: no snapshots, a bad snapshot (named), two snapshots of the same step
+            (but a step the flight recorder replayed: ``step-N``, then ``step-N.1``, ...).
     """
     opened = []
     for index, path in enumerate(find_snapshots(root)):
         snapshot = Snapshot.open(path)
         opened.append((_step_of(snapshot, index), path, snapshot))
-    opened.sort(key=lambda entry: entry[0])
+    opened.sort(key=lambda entry: (entry[0], _repeat_of(entry[1], entry[0]) or 0, entry[1].name))
     for (step, path, _), (other, earlier, _) in zip(opened[1:], opened, strict=False):
-        if step == other:
+        replayed = _repeat_of(path, step) is not None and _repeat_of(earlier, step) is not None
+        if step == other and not replayed:
             raise SnapshotError(f"{path}: step {step} is also the step of {earlier}")
     history = History(norm_type)
     for step, path, snapshot in opened:
