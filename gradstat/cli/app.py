@@ -630,7 +630,8 @@ def zeros(
     timeout: TimeoutOption = 30.0,
     status_file: StatusFileOption = None,
 ) -> None:
-    """num_zeros as Megatron counts it (GTP padding excluded), and per parameter.
+    """num_zeros as Megatron counts it (GTP padding excluded), and per parameter (most zeros
+    first unless --sort says otherwise).
 
     Exit status 1 when every gradient is zero (a snapshot dumped before the backward pass?).
     """
