@@ -137,13 +137,13 @@ def _warn(message: str) -> None:
 
 
 def _is_gradient(item: Any) -> bool:
-    """A tensor given as the gradient itself: neither a Parameter nor requiring grad (a
-    gradient never requires grad; a tensor that does is a parameter, read by its gradient)."""
-    return (
-        isinstance(item, torch.Tensor)
-        and not isinstance(item, torch.nn.Parameter)
-        and not item.requires_grad
-    )
+    """A tensor given as the gradient itself, by the rule :func:`gradstat.total_norm` follows:
+    a Parameter, or a leaf tensor that requires grad or holds a ``.grad``, is a parameter
+    (read by its gradient); any other tensor is a gradient (one made with
+    ``create_graph=True`` requires grad but is no leaf)."""
+    if not isinstance(item, torch.Tensor) or isinstance(item, torch.nn.Parameter):
+        return False
+    return not (item.is_leaf and (item.requires_grad or item.grad is not None))
 
 
 def _whole(name: str, value: Any) -> int:
