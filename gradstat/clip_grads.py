@@ -447,35 +447,57 @@ def _native_reduce(
     *,
     offset: int = 0,
 ) -> Tensor:
-    """``compute`` of a torch-native job's gradients, reduced; the same collectives on every
-    rank, whatever its list holds.
+    """``compute`` of a torch-native job's gradients, reduced over every rank alike.
 
-    One all-reduce over the default group carries the DTensor shards' statistic (each element
-    of the job counted on exactly one rank, so one sum serves every mesh) and whether a rank
-    refused its gradients; then, with ``group``, one all-reduce of the plain gradients'
-    statistic over it. Without ``group`` plain gradients are data-parallel replicas and stay
-    as they are.
+    Every rank runs the same collectives whatever its list holds, and ends with the same
+    numbers, so the norm's later reductions (the scaled path) are taken by all or none:
+
+    - one all-reduce over the default group with ``op`` of the DTensor shards' statistic
+      (each element of the job is counted on exactly one rank, so one sum serves every mesh)
+      and of whether a rank refused its gradients;
+    - the plain gradients' statistic, summed over ``group`` when given (pipeline stages),
+      then its MAX over the default group: plain gradients are data-parallel replicas, so a
+      rank whose list lacks one takes another rank's value. For the MAX of an inf norm this
+      rides on the first all-reduce.
     """
     with torch.no_grad():
-        plain = compute(native.plain, native.device)
+        # An empty list's statistic is zeros of the same shape: no kernel (nor, on CUDA, a
+        # synchronisation) for the part a job does not have.
+        if native.plain or not native.shards:
+            plain = compute(native.plain, native.device)
+            mesh = (
+                compute(native.shards, native.device)
+                if native.shards
+                else plain.new_zeros(plain.shape)
+            )
+        else:
+            mesh = compute(native.shards, native.device)
+            plain = mesh.new_zeros(mesh.shape)
         if offset:
             plain = plain + offset
-        mesh = compute(native.shards, native.device)
-        if _distributed():
-            refused = torch.tensor([native.problem is not None], dtype=mesh.dtype)
-            world = torch.cat([mesh.reshape(-1), refused.to(mesh.device)])
-            all_reduce(world, op, None)
-            if native.problem is not None:
-                raise native.problem
-            if float(world[-1]):
-                raise GradstatError(
-                    f"rank {dist.get_rank()}: another rank refused its gradients (its error "
-                    "says why), so no statistic was computed; fix that rank's input"
-                )
-            mesh = world[:-1].reshape(mesh.shape)
+        if not _distributed():
+            return torch.maximum(plain, mesh) if op == dist.ReduceOp.MAX else plain + mesh
+        is_max = op == dist.ReduceOp.MAX
+        refused = torch.tensor([native.problem is not None], dtype=mesh.dtype).to(mesh.device)
+        parts = [mesh.reshape(-1), refused]
+        if is_max and group is None:
+            parts.append(plain.reshape(-1))
+        world = all_reduce(torch.cat(parts), op, None)
+        if native.problem is not None:
+            raise native.problem
+        if float(world[mesh.numel()]):
+            raise GradstatError(
+                f"rank {dist.get_rank()}: another rank refused its gradients (its error says "
+                "why), so no statistic was computed; fix that rank's input"
+            )
+        mesh = world[: mesh.numel()].reshape(mesh.shape)
+        if is_max and group is None:
+            plain = world[mesh.numel() + 1 :].reshape(plain.shape)
+        else:
             if group is not None:
                 all_reduce(plain, op, group)
-        return torch.maximum(plain, mesh) if op == dist.ReduceOp.MAX else plain + mesh
+            plain = all_reduce(plain, dist.ReduceOp.MAX, None)
+        return torch.maximum(plain, mesh) if is_max else plain + mesh
 
 
 def total_norm(

@@ -380,6 +380,12 @@ def _uneven_lists(rank: int, world_size: int, _: Any) -> dict[str, Any]:
     # Extreme magnitudes on one rank only: the scaled path, taken by every rank alike.
     tiny = DTensor.from_local(full["B"] * 1e-30, flat, [Replicate()], run_check=False)
     out["tiny_uneven"] = total_norm([tiny] if rank == 0 else [])
+    # Plain gradients (DDP replicas) that one rank lacks: that rank takes the other's, also on
+    # the scaled path (fp32 values near 1e-30, whose squares underflow), and for p < 1.
+    replica = full["g0"] * 1e-30
+    out["ddp_tiny_uneven"] = total_norm([replica] if rank == 0 else [])
+    out["ddp_uneven"] = {str(p): total_norm([full["g0"]] if rank == 1 else [], p) for p in (2, 0.5)}
+    out["ddp_zeros_uneven"] = total_zeros([full["A"]] if rank == 1 else [])
     # Plain gradients that differ over a group (pipeline stages), beside a DTensor on one rank.
     stages = dist.new_group([0, 1])
     plain = full["g0"] if rank == 0 else full["g1"]
@@ -426,6 +432,11 @@ def test_ranks_whose_lists_differ_join_the_same_collectives(tmp_path: Path) -> N
         assert rel_err(out["grid_empty"], _norm64([e])) <= 1e-9
         assert out["grid_zeros"] == _zeros64([e]) == 1
         assert rel_err(out["tiny_uneven"], _norm64([b * 1e-30])) <= 1e-9
+        assert rel_err(out["ddp_tiny_uneven"], _norm64([full["g0"] * 1e-30])) <= 1e-9
+        for p in (2.0, 0.5):
+            key = str(int(p)) if p == 2.0 else str(p)
+            assert rel_err(out["ddp_uneven"][key], _norm64([full["g0"]], p)) <= 1e-9
+        assert out["ddp_zeros_uneven"] == _zeros64([a]) == 2
         assert rel_err(out["with_group"], _norm64([full["g0"], full["g1"], b])) <= 1e-9
         assert rel_err(out["gradnorm_uneven"], _norm64([b])) <= 1e-9
         name, message = out["refused"]
