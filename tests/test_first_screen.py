@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 from gradstat.cli.app import app
 from gradstat.snapshot import save_rank
 from gradstat.testing.spawn import spawn
-from tests._cli import ROOT, run_gradstat
+from tests._cli import ROOT, SAMPLE_DATA, run_gradstat
 from tests._oracle import float64_norm
 from tests._params import param_with
 
@@ -313,6 +313,10 @@ def test_one_is_singular(tmp_path: Path) -> None:
     assert result.exit_code == 1
     assert re.search(r"\b1 finding\b", result.stdout) and "1 findings" not in result.stdout
     assert "2 parameters checked" in result.stdout
+    # The planted sample: one GTP padding element of 1024 is not zero.
+    _, planted = _json("audit", SAMPLE_DATA / "tp2-gtp2-pp2-ep2-bugs")
+    (padding,) = [item for item in planted["findings"] if item["kind"] == "gtp_padding_nonzero"]
+    assert padding["detail"].startswith("1 of 1024 GTP padding elements is not zero:")
 
 
 # ---------------------------------------------------------------------------------------------

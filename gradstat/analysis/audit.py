@@ -192,7 +192,7 @@ def _copies_differ(
                 delta = change
     if not ranks:
         return []
-    detail = f"{what} in {differing} of {elements} elements"
+    detail = f"{what} in {differing} of {elements} element{'' if elements == 1 else 's'}"
     return [_raw(kind, name, ranks, detail, largest, scale, delta)]
 
 
@@ -274,7 +274,8 @@ def _attribute_findings(
         usual = values.most_common(1)[0][0]
         odd = [tile for tile in tiles if _attribute_value(tile, label) not in (usual, None)]
         shown = sorted({str(_attribute_value(tile, label)) for tile in odd})
-        detail = f"{label} is {', '.join(shown)} on {len(odd)} ranks but {usual} on the others"
+        ranks = f"{len(odd)} rank{'' if len(odd) == 1 else 's'}"
+        detail = f"{label} is {', '.join(shown)} on {ranks} but {usual} on the others"
         delta = None
         if label != "shape":
             held = next(tile for tile in tiles if _attribute_value(tile, label) == usual)
@@ -353,8 +354,8 @@ def _padding(name: str, tiles: Sequence[Tile], files: MappedFiles) -> list[dict[
     if not ranks:
         return []
     detail = (
-        f"{nonzero} of {elements} GTP padding elements are not zero: counted in the norm, "
-        f"and subtracted from num_zeros as if zero"
+        f"{nonzero} of {elements} GTP padding elements {'is' if nonzero == 1 else 'are'} not "
+        "zero: counted in the norm, and subtracted from num_zeros as if zero"
     )
     return [_raw("gtp_padding_nonzero", name, ranks, detail, largest, largest, -squares)]
 
