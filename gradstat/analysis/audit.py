@@ -274,8 +274,8 @@ def _attribute_findings(
         usual = values.most_common(1)[0][0]
         odd = [tile for tile in tiles if _attribute_value(tile, label) not in (usual, None)]
         shown = sorted({str(_attribute_value(tile, label)) for tile in odd})
-        ranks = f"{len(odd)} rank{'' if len(odd) == 1 else 's'}"
-        detail = f"{label} is {', '.join(shown)} on {ranks} but {usual} on the others"
+        where = f"{len(odd)} rank{'' if len(odd) == 1 else 's'}"
+        detail = f"{label} is {', '.join(shown)} on {where} but {usual} on the others"
         delta = None
         if label != "shape":
             held = next(tile for tile in tiles if _attribute_value(tile, label) == usual)
