@@ -313,6 +313,15 @@ def test_one_is_singular(tmp_path: Path) -> None:
     assert result.exit_code == 1
     assert re.search(r"\b1 finding\b", result.stdout) and "1 findings" not in result.stdout
     assert "2 parameters checked" in result.stdout
+    # Three TP ranks, one of which says allreduce=False: an attribute on 1 rank.
+    odd = tmp_path / "odd"
+    for rank in range(3):
+        param = param_with(torch.ones(2), **({"allreduce": False} if rank == 2 else {}))
+        save_rank(odd, [("w", param)], rank=rank, world_size=3, coords={"tp": [rank, 3]})
+    _, report = _json("audit", odd)
+    (attribute,) = report["findings"]
+    assert attribute["kind"] == "attributes" and attribute["ranks"] == [2]
+    assert "on 1 rank but" in attribute["detail"], attribute["detail"]
     # The planted sample: one GTP padding element of 1024 is not zero.
     _, planted = _json("audit", SAMPLE_DATA / "tp2-gtp2-pp2-ep2-bugs")
     (padding,) = [item for item in planted["findings"] if item["kind"] == "gtp_padding_nonzero"]
