@@ -358,8 +358,9 @@ class Recorder:
 
     Args:
         model: a module, a list of model chunks, or ``(name, tensor)`` pairs. A module or chunk
-            list is walked again each step. In pairs, a Parameter (or a tensor that requires
-            grad) stands for its gradient; a tensor that does not is the gradient itself.
+            list is walked again each step. In pairs, a Parameter, or a leaf tensor that
+            requires grad or holds a ``.grad``, stands for its gradient; any other tensor is
+            the gradient itself.
         directory: where the snapshots go, the same on every rank (``step-N`` inside).
         norm_type: 2, 1, ``math.inf`` or any finite p > 0.
         spike: dump when the norm exceeds this many times the running median (None: never).
