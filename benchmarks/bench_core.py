@@ -7,6 +7,9 @@ rows) plus the same set in bf16, then times gradstat and its peer alternately, r
 - L2 and inf norm: ``get_grad_norm_fp32`` vs ``torch.nn.utils.get_total_norm``;
 - zero count: ``count_zeros_fp32`` vs ``numel - torch.count_nonzero`` per tensor;
 - bf16 L2 norm: the same pair on the bf16 copy;
+- L1 norm, and L2 of many small tensors (20,000 of 512 elements) and of a few big ones
+  (4 of 16M), each also with the native kernel off (the library's CPU path before it summed
+  fp32 in the kernel's float64 lanes: fp32 norms of 512-element rows);
 - on CUDA also: L2 through ``gradstat.GradNorm`` (prepared once, as a training loop calls it),
   L2 with CUDA graphs off, and L2 of the same bytes as one tensor (the kernels' ceiling).
 
@@ -14,10 +17,14 @@ Each row reports the median over repeats of the per-repeat time ratio ours/peer,
 the fastest times, and both results' relative error against a float64 oracle computed block by
 block (never by a PyTorch norm kernel). Absolute times are only in the JSON, next to the peer's.
 
+``--accuracy`` prints instead the relative error against float64 of L1 and L2 for single
+tensors of 1 to 1e7 elements (randn and uniform positive, the worst of several seeds): gradstat
+with the native kernel, without it, and ``get_total_norm``.
+
 Usage::
 
     python benchmarks/bench_core.py [--gib 1.0] [--repeats 7] [--device cpu|cuda] [--json]
-                                    [--threads N] [--bandwidth-gbs 4800]
+                                    [--threads N] [--bandwidth-gbs 4800] [--accuracy]
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import torch
 from torch import Tensor
 
 import gradstat
+from gradstat.core import native
 
 _ORACLE_BLOCK = 1 << 22
 _SEED = 1234
@@ -308,7 +316,105 @@ def make_cases(
     ]
     if grads[0].is_cuda:
         cases += _cuda_cases(grads, oracle_l2(cpu_grads), fp32_bytes)
+    else:
+        cases += _cpu_cases(grads)
     return cases
+
+
+def kernel_off(function: Callable[[], float]) -> Callable[[], float]:
+    """``function`` with the native kernel off, as ``GRADSTAT_NATIVE=0`` turns it off."""
+
+    def call() -> float:
+        saved = native._entry_point
+        native._entry_point = lambda name: None  # type: ignore[assignment]
+        try:
+            return function()
+        finally:
+            native._entry_point = saved
+
+    return call
+
+
+def _cpu_cases(grads: list[Tensor]) -> list[Case]:
+    """L1; L2 of many small tensors and of a few big ones; each with the kernel off too."""
+    get_total_norm = torch.nn.utils.get_total_norm
+    rng = torch.Generator().manual_seed(_SEED + 1)
+    small = [torch.randn(512, generator=rng) for _ in range(20_000)]
+    big = [torch.randn(1 << 24, generator=rng) for _ in range(4)]
+    cases = []
+    for label, tensors, p, oracle in (
+        ("L1 fp32", grads, 1.0, oracle_l1(grads)),
+        ("L2 fp32, 20000 x 512", small, 2.0, oracle_l2(small)),
+        ("L2 fp32, 4 x 16M", big, 2.0, oracle_l2(big)),
+    ):
+        size = sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+        def ours(tensors: list[Tensor] = tensors, p: float = p) -> float:
+            return gradstat.get_grad_norm_fp32(tensors, p)
+
+        def peer(tensors: list[Tensor] = tensors, p: float = p) -> float:
+            return float(get_total_norm(tensors, p))
+
+        cases += [
+            Case(label, f"get_total_norm({p})", ours, peer, oracle, 1.0, size),
+            Case(
+                f"{label}, kernel off",
+                f"get_total_norm({p})",
+                kernel_off(ours),
+                peer,
+                oracle,
+                1.0,
+                size,
+            ),
+        ]
+    return cases
+
+
+def oracle_l1(grads: Sequence[Tensor]) -> float:
+    """The L1 norm with every |x| and sum in float64."""
+    return sum(float(block.abs().sum()) for block in _oracle_blocks(grads))
+
+
+_ACCURACY_SIZES = (1, 10, 100, 512, 1000, 4096, 10_000, 65_536, 65_537, 100_000, 10**6, 10**7)
+
+
+def accuracy_table() -> str:
+    """Relative errors against float64 of single tensors' L1 and L2, the worst of 5 seeds (2
+    for 1e6 elements and more): gradstat with the kernel, without, and get_total_norm."""
+    get_total_norm = torch.nn.utils.get_total_norm
+    paths: dict[str, Callable[[Tensor, float], float]] = {
+        "gradstat": lambda tensor, p: gradstat.get_grad_norm_fp32([tensor], p),
+        "gradstat, kernel off": lambda tensor, p: kernel_off(
+            lambda: gradstat.get_grad_norm_fp32([tensor], p)
+        )(),
+        "get_total_norm": lambda tensor, p: float(get_total_norm([tensor], p)),
+    }
+    lines = [
+        "| elements | values | " + " | ".join(f"{name} L1 | {name} L2" for name in paths) + " |",
+        "|---:|---|" + "---:|" * (2 * len(paths)),
+    ]
+    worst_of: dict[str, float] = dict.fromkeys(paths, 0.0)
+    for size in _ACCURACY_SIZES:
+        for kind in ("randn", "uniform"):
+            errors = {(name, p): 0.0 for name in paths for p in (1.0, 2.0)}
+            for seed in range(2 if size >= 10**6 else 5):
+                rng = torch.Generator().manual_seed(seed)
+                if kind == "randn":
+                    tensor = torch.randn(size, generator=rng)
+                else:
+                    tensor = torch.rand(size, generator=rng)
+                wide = tensor.double()
+                for p in (1.0, 2.0):
+                    expected = float(wide.abs().pow(p).sum()) ** (1 / p)
+                    for name, path in paths.items():
+                        error = _rel_error(path(tensor, p), expected)
+                        errors[name, p] = max(errors[name, p], error)
+                        worst_of[name] = max(worst_of[name], error)
+            cells = " | ".join(f"{errors[name, p]:.1e}" for name in paths for p in (1.0, 2.0))
+            lines.append(f"| {size} | {kind} | {cells} |")
+        _log(f"accuracy: {size} elements")
+    worst = ", ".join(f"{name} {error:.1e}" for name, error in worst_of.items())
+    return "\n".join([*lines, "", f"worst: {worst}"])
 
 
 def _cuda_cases(grads: list[Tensor], l2: float, fp32_bytes: int) -> list[Case]:
@@ -400,6 +506,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="device memory bandwidth in GB/s (H200: ~4800), to report ours as a share of it",
     )
     parser.add_argument("--json", action="store_true", help="one JSON document instead of tables")
+    parser.add_argument(
+        "--accuracy", action="store_true", help="the error table over tensor sizes, no timing"
+    )
     args = parser.parse_args(argv)
     if args.gib <= 0 or args.repeats < 1 or (args.threads is not None and args.threads < 1):
         parser.error("--gib must be > 0, --repeats and --threads >= 1")
@@ -412,6 +521,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.accuracy:
+        print(accuracy_table())
+        return 0
     on_gpu = args.device == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     rng = torch.Generator().manual_seed(_SEED)
