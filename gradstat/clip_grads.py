@@ -266,7 +266,8 @@ class GradNorm:
     Given parameters (``model.parameters()``, or any tensors that require grad), every call
     reads their ``.grad`` again, so it is the norm of the gradients they hold now, after
     ``zero_grad()`` set them to None and the next backward made new ones; the parameters that
-    count are selected once, as :func:`grads_for_norm` selects them. Given gradients (Megatron's
+    count are selected once, as :func:`grads_for_norm` selects them, and no gradient is held
+    between calls (the memory of one ``zero_grad()`` dropped is freed). Given gradients (Megatron's
     ``main_grad`` buffers, gradients zeroed in place rather than set to None), the gradient
     tensors themselves are kept: a gradient that is replaced by a new tensor is not seen, so
     pass the parameters whenever ``zero_grad()`` sets gradients to None (PyTorch's default).
@@ -314,14 +315,17 @@ class GradNorm:
                 for param in items
                 if getattr(param, "__fsdp_param__", False) or param_is_unique(param)
             ]
-        self.grads = items if self.parameters is None else self._live_grads()
+        # Given parameters, no gradient is held between calls: one replaced by zero_grad() is
+        # freed, and the next backward may reuse its memory (and the captured graph).
+        self.grads: list[Tensor] = items if self.parameters is None else []
         self._plan: kernels.CudaPlan | None = None
         self._plan_key: tuple[Any, ...] = ()
+        grads = self._current()
         if self.parameters is None:
-            _megatron_grads(self.grads, "GradNorm")
-        if self.p in (1, 2) and self._plannable(self.grads):
-            self._plan = kernels.CudaPlan(self.grads)
-            self._plan_key = self._key(self.grads)
+            _megatron_grads(grads, "GradNorm")
+        if self.p in (1, 2) and self._plannable(grads):
+            self._plan = kernels.CudaPlan(grads)
+            self._plan_key = self._key(grads)
 
     def _plannable(self, grads: list[Tensor]) -> bool:
         """Whether a CUDA graph can serve: plain strided gradients on one CUDA device."""
@@ -334,8 +338,10 @@ class GradNorm:
         same_device = {grad.get_device() for grad in grads} == {device.index}
         return device.type == "cuda" and same_device and stats_device(grads, self.group) == device
 
-    def _live_grads(self) -> list[Tensor]:
-        assert self.parameters is not None
+    def _current(self) -> list[Tensor]:
+        """The gradients given, or the ``.grad`` the parameters hold now."""
+        if self.parameters is None:
+            return self.grads
         return [grad for param in self.parameters if (grad := param.grad) is not None]
 
     def _key(self, grads: list[Tensor]) -> tuple[Any, ...]:
@@ -349,9 +355,12 @@ class GradNorm:
 
     def __call__(self) -> float:
         """The norm of the gradients' current values, as a Python float."""
-        if self.parameters is not None:
-            self.grads = self._live_grads()
-        plan, grads = self._plan, self.grads
+        plan, grads = self._plan, self._current()
+        # Parameters without gradients when it was built: the first CUDA gradients plan it.
+        first_cuda = plan is None and self.parameters is not None and grads and grads[0].is_cuda
+        if first_cuda and self.p in (1, 2) and self._plannable(grads):
+            plan = self._plan = kernels.CudaPlan(grads)
+            self._plan_key = self._key(grads)
         if plan is None:
             return get_grad_norm_fp32(grads, self.p, self.group)
         try:
@@ -517,8 +526,10 @@ def total_norm(
 
     Once torch.distributed is initialized this is a collective over the default group: every
     rank calls it, and every rank joins the same reductions whatever its list holds (an empty
-    list, a gradient None on one rank only): one all-reduce serves the DTensors of every mesh
-    in the job, and with ``group`` a second one sums the plain gradients over it.
+    list, a gradient None on one rank only) and returns the same number: one all-reduce serves
+    the DTensors of every mesh in the job; the plain gradients' statistic (summed over
+    ``group`` when given) is the largest rank's, replicas being equal (a rank lacking one takes
+    its replica's value).
 
     Args:
         parameters: parameters (their ``.grad``; those without one are skipped) or gradient

@@ -144,6 +144,23 @@ def test_gradnorm_of_parameters_follows_zero_grad_set_to_none(p: float) -> None:
     assert prepared() == 0.0  # no gradients now: an empty list
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA graph path needs a GPU")
+def test_gradnorm_of_cuda_parameters_replays_or_recaptures_after_zero_grad() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    model = model.cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    prepared, l1 = GradNorm(model.parameters()), GradNorm(model.parameters(), 1)
+    for scale in (1.0, 30.0, 0.01, 5.0):
+        optimizer.zero_grad(set_to_none=True)
+        gen = torch.Generator().manual_seed(int(scale * 100))
+        model((torch.randn(8, 16, generator=gen) * scale).cuda()).pow(2).sum().backward()
+        grads = [param.grad.cpu() for param in model.parameters()]
+        assert rel_err(prepared(), _norm64(grads)) <= 1e-6
+        assert rel_err(l1(), _norm64(grads, 1)) <= 1e-6
+    assert prepared._plan is not None  # the graph served these calls
+
+
 def test_gradnorm_of_parameters_selects_as_grads_for_norm_and_refuses_a_mix() -> None:
     kept = torch.nn.Parameter(torch.zeros(3))
     tied = torch.nn.Parameter(torch.zeros(3))
