@@ -366,11 +366,12 @@ def _resume_over_leftovers(rank: int, world_size: int, directory: str) -> Any:
     if rank == 0:
         _leftovers_of_a_killed_run(Path(directory))
     torch.distributed.barrier()
+    torch.manual_seed(0)  # data-parallel replicas: the same weights and gradients
     model = torch.nn.Linear(3, 2)
 
     def run() -> Any:
         recorder = gradstat.Recorder(model, directory, steps=[5], spike=None, finalize_timeout_s=5)
-        _backward(model, torch.ones(2, 3))  # data-parallel replicas: the same gradients
+        _backward(model, torch.ones(2, 3))
         norm = recorder.step(5)
         return norm, recorder.records[-1].snapshot
 
@@ -455,6 +456,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Any
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_two_ranks_resumed_over_a_killed_runs_leftovers(two_ranks: tuple[Path, Path, Any]) -> None:
     """Item 9: the killed run's rank 1 file is never part of the new snapshot, and no rank
     meets an existing rank file."""
@@ -471,6 +473,7 @@ def test_two_ranks_resumed_over_a_killed_runs_leftovers(two_ranks: tuple[Path, P
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_two_ranks_on_different_steps_say_so_and_take_no_snapshot(
     two_ranks: tuple[Path, Path, Any],
 ) -> None:
@@ -489,6 +492,7 @@ def test_two_ranks_on_different_steps_say_so_and_take_no_snapshot(
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_ranks_whose_gradient_lists_differ_agree_and_complete_the_snapshot(
     two_ranks: tuple[Path, Path, Any],
 ) -> None:
@@ -514,6 +518,7 @@ def test_ranks_whose_gradient_lists_differ_agree_and_complete_the_snapshot(
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_a_peer_that_never_comes_is_named_after_agree_timeout_s(
     two_ranks: tuple[Path, Path, Any],
 ) -> None:
