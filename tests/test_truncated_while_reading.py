@@ -21,12 +21,12 @@ import torch
 
 from gradstat.snapshot import save_rank
 
-# Runs the CLI on argv[5:] with the rank file argv[1] truncated to half its size in the
-# argv[2]-th pass over it (the argv[2]-th ``with`` block of its tensors, counted from 0):
-# "after N" truncates it right after that pass's N-th tensor lookup returned (the lookup's size
-# check passed; a mapped view's pages are touched later, by the reduction or the copy),
-# "before-read" as that pass first reads a tensor's bytes (where tensors are read, not
-# mapped), "count" not at all. Writes the number of lookups of each pass, as JSON, to argv[4].
+# Runs the CLI on argv[6:] with the rank file argv[1] truncated to half its size (with CUT_TAIL
+# set, by its last 100 bytes) in the argv[2]-th pass over it (the argv[2]-th ``with`` block of
+# its tensors, counted from 0): argv[3] "after", right after that pass's argv[4]-th tensor
+# lookup returned (its size check passed; a mapped view's pages are touched later, by the
+# reduction or the copy); "before-read", as that pass first reads a tensor's bytes (where
+# tensors are read, not mapped); "count", not at all. Writes each pass's lookups to argv[5].
 _TRUNCATING_CLI = """
 import atexit, json, os, sys
 from gradstat.snapshot import container
@@ -38,7 +38,8 @@ atexit.register(lambda: open(report, "w").write(json.dumps(lookups)))
 tensors = container.MappedTensors
 
 def cut():
-    os.truncate(path, os.path.getsize(path) // 2)
+    size = os.path.getsize(path)
+    os.truncate(path, size - 100 if os.environ.get("CUT_TAIL") else size // 2)
 
 def enter(original):
     def entered(self):
@@ -73,7 +74,13 @@ main()
 
 
 def _run(
-    folder: Path, arguments: list[str], native: str, chosen: int, how: str, at: int = 0
+    folder: Path,
+    arguments: list[str],
+    native: str,
+    chosen: int,
+    how: str,
+    at: int = 0,
+    tail: bool = False,
 ) -> tuple[subprocess.CompletedProcess[str], list[int]]:
     """The CLI on ``arguments`` with the truncation ``how`` in pass ``chosen``; the lookups
     of each pass."""
@@ -85,7 +92,7 @@ def _run(
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "GRADSTAT_NATIVE": native},
+        env={**os.environ, "GRADSTAT_NATIVE": native, **({"CUT_TAIL": "1"} if tail else {})},
         check=False,
     )
     return result, json.loads(report.read_text())
@@ -98,16 +105,17 @@ def _snapshot(folder: Path) -> Path:
     return save_rank(folder, [("weight", param)], rank=0, world_size=1, coords={})
 
 
-@pytest.mark.parametrize("native", ["1", "0"], ids=["kernel", "kernel-off"])
 @pytest.mark.parametrize(
-    ("command", "chosen"),
+    ("command", "chosen", "native"),
     [
-        (["norm"], 0),  # the native kernel's pass
-        (["norm", "-p", "3"], 0),  # PyTorch's operations
-        (["clip", "--max-norm", "1"], 0),  # clip's norm pass
-        (["clip", "--max-norm", "1"], 1),  # clip's copy, after its norm pass
+        (["norm"], 0, "1"),  # the native kernel's pass over the map
+        (["norm", "-p", "3"], 0, "1"),  # PyTorch's operations over the map
+        (["clip", "--max-norm", "1"], 0, "1"),  # clip's norm pass
+        (["clip", "--max-norm", "1"], 1, "1"),  # clip's copy, after its norm pass
+        (["norm"], 0, "0"),  # without the native library: read, not mapped
+        (["clip", "--max-norm", "1"], 1, "0"),
     ],
-    ids=["norm", "norm-p3", "clip-norm-pass", "clip-copy"],
+    ids=["norm", "norm-p3", "clip-norm-pass", "clip-copy", "norm-kernel-off", "clip-kernel-off"],
 )
 def test_a_rank_file_truncated_while_read_is_one_line(
     tmp_path: Path, command: list[str], chosen: int, native: str
@@ -136,3 +144,16 @@ def test_a_rank_file_truncated_while_read_is_one_line(
     assert result.stdout == ""
     assert not out.exists()
     assert not [entry for entry in tmp_path.iterdir() if entry.name.startswith(".clipped")]
+
+
+def test_a_cut_inside_the_last_page_is_found_too(tmp_path: Path) -> None:
+    """100 bytes off the end fault nowhere (the rest of the page reads zeros): the file's
+    stamp, checked again as the pass ends, finds them."""
+    rank_file = _snapshot(tmp_path / "snapshot")
+    arguments = ["norm", str(rank_file.parent)]
+    _, lookups = _run(tmp_path, arguments, "1", 0, "count")
+    result, _ = _run(tmp_path, arguments, "1", 0, "after", lookups[0], tail=True)
+    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(rank_file) in lines[0], result.stderr
+    assert "changed while gradstat was reading it" in lines[0]

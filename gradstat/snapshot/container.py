@@ -323,7 +323,7 @@ class MappedTensors(Mapping[str, torch.Tensor]):
         self._container = container
         self._view: mmap.mmap | bytearray | None = None
         self._guard: int | None = None
-        self._descriptor: int | None = None  # the file's, where tensors are read, not mapped
+        self._descriptor: int | None = None  # the file's, open while the block runs
         self._made: dict[str, torch.Tensor] = {}
 
     def __enter__(self) -> MappedTensors:
@@ -359,10 +359,7 @@ class MappedTensors(Mapping[str, torch.Tensor]):
         except BaseException:
             os.close(descriptor)
             raise
-        if self._guard is None:
-            self._descriptor = descriptor
-        else:
-            os.close(descriptor)  # the map keeps a descriptor of its own
+        self._descriptor = descriptor
         return self
 
     def _map(self, descriptor: int) -> None:
@@ -383,35 +380,38 @@ class MappedTensors(Mapping[str, torch.Tensor]):
         descriptor, self._descriptor = self._descriptor, None
         self._made.clear()
         faulted = guard is not None and native.guard_release(guard)
+        change = None
+        if descriptor is not None:
+            # A truncation inside the last page faults nowhere (the rest of the page reads
+            # zeros), and a rewrite may restore the size: the file must be as it was checked.
+            try:
+                change = self._container.stamp.change(FileStamp.of(descriptor))
+            finally:
+                os.close(descriptor)
         if isinstance(view, mmap.mmap):
             # A caller that kept a tensor alive keeps the map: it closes with the last view.
             with contextlib.suppress(BufferError):
                 view.close()
-        if descriptor is not None:
-            os.close(descriptor)
         if faulted:
             # What was computed from the zeros past the new end must not be used.
             raise _changed(self._container.path, "truncated while its tensors were read")
+        if change is not None:
+            raise _changed(self._container.path, change)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if self._view is None and self._descriptor is None:
             raise KeyError(name)
-        # An fstat of the file's descriptor (the map's own): the file as it is now.
-        now = None
         if self._descriptor is not None:
-            now = os.fstat(self._descriptor).st_size
-        elif isinstance(self._view, mmap.mmap):
-            now = self._view.size()
-        was = self._container.stamp.size
-        if now is not None and now != was:
-            raise _changed(self._container.path, f"now {now} bytes, {was} when checked")
+            now, was = os.fstat(self._descriptor).st_size, self._container.stamp.size
+            if now != was:  # the file as it is now
+                raise _changed(self._container.path, f"now {now} bytes, {was} when checked")
         tensor = self._made.get(name)
         if tensor is None:
             slot = self._container.slots[name]
-            if self._descriptor is not None:
+            if self._view is None:
+                assert self._descriptor is not None
                 tensor = self._read(name, slot, self._descriptor)
             else:
-                assert self._view is not None
                 tensor = self._make(slot, self._view)
             self._made[name] = tensor
         return tensor
