@@ -518,3 +518,22 @@ def test_the_synopsis_gives_every_commands_options() -> None:
         if command in with_device:
             options |= {"--device", "--timeout"}
         assert options == _help_options(command), command
+
+
+def test_history_shows_a_run_of_routine_snapshots_as_a_range() -> None:
+    from types import SimpleNamespace
+
+    from gradstat.cli.render import _triggered
+
+    every_step = SimpleNamespace(steps=list(range(1, 13)), triggers=[("every",)] * 12)
+    assert _triggered(every_step) == "every at 1 .. 12"
+    strided = SimpleNamespace(
+        steps=[5, 9, 10, 15, 20, 25],
+        triggers=[("every",), ("spike",), ("every",), ("every",), ("every",), ("every",)],
+    )
+    assert _triggered(strided) == "every at 5, 10, 15 .. 25; spike at 9"
+    # Steps 5, 9, 10 have no one stride: each is named.
+    uneven = SimpleNamespace(
+        steps=[5, 9, 10], triggers=[("every",), ("every", "spike"), ("every",)]
+    )
+    assert _triggered(uneven) == "every at 5, 9, 10; spike at 9"

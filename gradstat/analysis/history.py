@@ -2,7 +2,7 @@
 the step where each parameter first jumped.
 
 The snapshots are the directories under a root that hold rank files (the flight recorder's
-``step-N``, or any other); hidden ones (``.step-N.partial``, still being written or left by a
+``step-N``, or any other); hidden ones (``.step-*.partial``, still being written or left by a
 lost rank) are skipped. They are read one at a time, in step order, each once: what is kept is
 a few numbers per parameter and snapshot.
 

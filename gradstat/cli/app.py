@@ -838,7 +838,7 @@ def history(
 ) -> None:
     """Norms and zero counts over a run's snapshots, and where each parameter first jumped.
 
-    Each snapshot is read once, in step order; hidden ones (.step-N.partial) are skipped. Exit
+    Each snapshot is read once, in step order; hidden ones (.step-*.partial) are skipped. Exit
     status 1 when a parameter's norm went NaN or Inf.
     """
     from gradstat.analysis.history import read_history

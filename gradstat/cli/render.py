@@ -468,12 +468,33 @@ def sparkline(values: Iterable[float]) -> str:
 
 
 def _triggered(history: History) -> str:
-    """Which snapshots each trigger took: ``every at 5, 10; spike at 9``."""
-    steps: dict[str, list[str]] = {}
-    for step, triggers in zip(history.steps, history.triggers, strict=True):
+    """Which snapshots each trigger took: ``every at 5, 10; spike at 9``. Three or more
+    snapshots one after the other whose steps have one stride read ``1 .. 12`` (stride 1) or
+    ``5, 10 .. 60``."""
+    runs: dict[str, list[list[int]]] = {}
+    steps = history.steps
+    for index, triggers in enumerate(history.triggers):
         for trigger in triggers:
-            steps.setdefault(trigger, []).append(str(step))
-    return "; ".join(f"{trigger} at {', '.join(at)}" for trigger, at in steps.items())
+            found = runs.setdefault(trigger, [])
+            run = found[-1] if found else []
+            follows = bool(run) and run[-1] == index - 1
+            if follows and len(run) >= 2:
+                follows = steps[index] - steps[run[-1]] == steps[run[1]] - steps[run[0]]
+            if follows:
+                run.append(index)
+            else:
+                found.append([index])
+
+    def shown(run: list[int]) -> str:
+        at = [str(steps[index]) for index in run]
+        if len(at) < 3:
+            return ", ".join(at)
+        stride = steps[run[1]] - steps[run[0]]
+        return f"{at[0]} .. {at[-1]}" if stride == 1 else f"{at[0]}, {at[1]} .. {at[-1]}"
+
+    return "; ".join(
+        f"{trigger} at {', '.join(map(shown, found))}" for trigger, found in runs.items()
+    )
 
 
 def print_history(console: Console, history: History, top: int | None = 20) -> None:
