@@ -80,7 +80,7 @@ import torch
 import torch.distributed as dist
 
 from gradstat.clip_grads import check_norm_type, get_grad_norm_fp32, total_norm
-from gradstat.core.groups import megatron_state, megatron_stats_groups
+from gradstat.core.groups import megatron_state, megatron_stats_groups, stats_device
 from gradstat.core.kernels import combine_norms
 from gradstat.core.predicates import (
     param_is_not_gtp_duplicate,
@@ -237,10 +237,16 @@ class _Agreement:
     """The recorder's own exchanges of a few integers: every rank sends its values to rank 0,
     which takes the element-wise maximum, adds what it alone decides and answers; every wait
     bounded, on a gloo group made at construction (a collective: every rank builds its
-    Recorder). A rank that does not arrive is named."""
+    Recorder). A rank that does not arrive is named.
 
-    def __init__(self, timeout_s: float, dump_s: float) -> None:
-        self.timeout_s = timeout_s
+    Rank 0 exchanges with every rank, so an exchange costs O(world size) messages there. With
+    ``timeout_s`` None the values are instead all-reduced over the default group (NCCL's on a
+    GPU job, one logarithmic collective) and rank 0's decision broadcast: no bound on the wait,
+    and no rank named, as before issue 25."""
+
+    def __init__(self, timeout_s: float | None, dump_s: float) -> None:
+        self.bounded = timeout_s is not None
+        self.timeout_s = math.inf if timeout_s is None else timeout_s
         # After a dump, a rank may still be in its own wait for it (up to max_dump_s).
         self.dump_s = dump_s
         self.grace_s = 0.0
@@ -248,9 +254,9 @@ class _Agreement:
         self.size = dist.get_world_size() if _ready() else 1
         self.failure: str | None = None
         self.group = None
-        if self.size > 1:
+        if self.size > 1 and self.bounded:
             # The group's own timeout stays above the waits below, which come first.
-            limit = timedelta(seconds=2 * timeout_s + dump_s + 30)
+            limit = timedelta(seconds=2 * self.timeout_s + dump_s + 30)
             self.group = dist.new_group(backend="gloo", timeout=limit)
 
     def exchange(
@@ -269,6 +275,8 @@ class _Agreement:
         """
         if self.failure is not None:
             raise PeerTimeoutError(self.failure)
+        if self.size > 1 and not self.bounded:
+            return self._all_reduce(values, decide, extra)
         if self.group is None:
             return values + (decide(values) if decide else [])
         # One answer of a fixed length: a status, then the result or the missing ranks.
@@ -279,6 +287,21 @@ class _Agreement:
             answer = self._answer_from_zero(what, values, length)
         self.grace_s = 0.0
         return answer[1 : 1 + len(values) + extra]
+
+    @staticmethod
+    def _all_reduce(
+        values: list[int], decide: Callable[[list[int]], list[int]] | None, extra: int
+    ) -> list[int]:
+        device = stats_device([], None)
+        maxima = torch.tensor(values, dtype=torch.int64, device=device)
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+        result = maxima.tolist()
+        if decide is None:
+            return result
+        decided = decide(result) if dist.get_rank() == 0 else [0] * extra
+        told = torch.tensor(decided, dtype=torch.int64, device=device)
+        dist.broadcast(told, src=0)
+        return result + told.tolist()
 
     def _fail(self, message: str) -> PeerTimeoutError:
         self.failure = f"rank {self.rank}: {message}; the recorder has stopped"
@@ -389,7 +412,10 @@ class Recorder:
             one-line warning, and triggers are skipped until the write is over.
         agree_timeout_s: how long a rank waits for the others at each of the recorder's
             agreements before a :class:`~gradstat.errors.PeerTimeoutError` names the ranks that
-            did not come.
+            did not come. Rank 0 exchanges with every rank, O(world size) small messages per
+            agreement on a gloo group of the recorder's own; None: one all-reduce over the
+            default group instead (NCCL's in a GPU job), unbounded and naming no one, for jobs
+            of thousands of ranks.
 
     Raises:
         ArgumentError: an argument out of range (a ValueError).
@@ -420,7 +446,7 @@ class Recorder:
         optimizer: Any = None,
         finalize_timeout_s: float = 60.0,
         max_dump_s: float = 120.0,
-        agree_timeout_s: float = 300.0,
+        agree_timeout_s: float | None = 300.0,
     ) -> None:
         if spike is not None:
             if isinstance(spike, bool) or not isinstance(spike, numbers.Real):
@@ -446,7 +472,8 @@ class Recorder:
         listed = frozenset(step_number(step) for step in steps)
         self.finalize_timeout_s = _seconds("finalize_timeout_s", finalize_timeout_s)
         self.max_dump_s = _seconds("max_dump_s", max_dump_s)
-        agree_timeout_s = _seconds("agree_timeout_s", agree_timeout_s)
+        if agree_timeout_s is not None:
+            agree_timeout_s = _seconds("agree_timeout_s", agree_timeout_s)
         self.norm_type = check_norm_type(norm_type)
         if isinstance(model, torch.nn.Module):
             self._modules: list[torch.nn.Module] | None = [model]

@@ -420,6 +420,15 @@ _FULL = torch.arange(8, dtype=torch.float32).reshape(4, 2) + 1
 
 def _uneven_dtensor_lists(rank: int, world_size: int, directory: str) -> Any:
     """A Shard(0) DTensor parameter whose gradient is None on rank 1 at step 2 only."""
+    return _uneven(rank, world_size, directory, agree_timeout_s=30)
+
+
+def _uneven_unbounded(rank: int, world_size: int, directory: str) -> Any:
+    """The same with ``agree_timeout_s=None``: the agreement is the default group's all-reduce."""
+    return _uneven(rank, world_size, directory, agree_timeout_s=None)
+
+
+def _uneven(rank: int, world_size: int, directory: str, agree_timeout_s: float | None) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
@@ -427,7 +436,7 @@ def _uneven_dtensor_lists(rank: int, world_size: int, directory: str) -> Any:
     local = _FULL[2 * rank : 2 * rank + 2]
     weight = torch.nn.Parameter(DTensor.from_local(local.clone(), mesh, [Shard(0)]))
     recorder = gradstat.Recorder(
-        [("w", weight)], directory, steps=[2], spike=None, agree_timeout_s=30
+        [("w", weight)], directory, steps=[2], spike=None, agree_timeout_s=agree_timeout_s
     )
     norms = []
     for step in (1, 2, 3):
@@ -449,6 +458,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Any
         Case("resume", _resume_over_leftovers, str(resumed)),
         Case("apart", _steps_apart, str(apart)),
         Case("uneven", _uneven_dtensor_lists, str(root / "uneven")),
+        Case("uneven, unbounded", _uneven_unbounded, str(root / "unbounded")),
         Case("rank 1 missing", _a_peer_that_never_comes, 1),
         Case("rank 0 missing", _a_peer_that_never_comes, 0),
     ]
@@ -506,15 +516,19 @@ def test_ranks_whose_gradient_lists_differ_agree_and_complete_the_snapshot(
         _exact_norm([2 * rows[:2]]),  # rank 0's shard only
         _exact_norm([3 * rows]),
     ]
-    outcomes = report.values("uneven")
-    for norms, _ in outcomes:
-        assert all(_close(got, want) for got, want in zip(norms, expected, strict=True)), norms
-    snapshot = Path(outcomes[0][1])
-    assert outcomes[1][1] == str(snapshot) and snapshot.name == "step-00000002"
-    header, tensors = _saved(snapshot, 1)
-    assert tensors == {} and [record["grad"] for record in header["params"]] == [False]
-    _, tensors = _saved(snapshot, 0)
-    assert _close(_exact_norm(list(tensors.values())), expected[1])
+    for case in ("uneven", "uneven, unbounded"):  # agree_timeout_s 30, then None
+        outcomes = report.values(case)
+        for norms, _ in outcomes:
+            assert all(_close(got, want) for got, want in zip(norms, expected, strict=True)), (
+                case,
+                norms,
+            )
+        snapshot = Path(outcomes[0][1])
+        assert outcomes[1][1] == str(snapshot) and snapshot.name == "step-00000002", case
+        header, tensors = _saved(snapshot, 1)
+        assert tensors == {} and [record["grad"] for record in header["params"]] == [False]
+        _, tensors = _saved(snapshot, 0)
+        assert _close(_exact_norm(list(tensors.values())), expected[1]), case
 
 
 @pytest.mark.multiprocess
