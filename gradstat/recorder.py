@@ -79,7 +79,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradstat.clip_grads import check_norm_type, get_grad_norm_fp32, total_norm
+from gradstat.clip_grads import check_norm_type, get_grad_norm_fp32, is_parameter, total_norm
 from gradstat.core.groups import megatron_state, megatron_stats_groups, stats_device
 from gradstat.core.kernels import combine_norms
 from gradstat.core.predicates import (
@@ -137,13 +137,9 @@ def _warn(message: str) -> None:
 
 
 def _is_gradient(item: Any) -> bool:
-    """A tensor given as the gradient itself, by the rule :func:`gradstat.total_norm` follows:
-    a Parameter, or a leaf tensor that requires grad or holds a ``.grad``, is a parameter
-    (read by its gradient); any other tensor is a gradient (one made with
-    ``create_graph=True`` requires grad but is no leaf)."""
-    if not isinstance(item, torch.Tensor) or isinstance(item, torch.nn.Parameter):
-        return False
-    return not (item.is_leaf and (item.requires_grad or item.grad is not None))
+    """A tensor given as the gradient itself: one that is no parameter by the rule
+    :func:`gradstat.total_norm` follows (:func:`gradstat.clip_grads.is_parameter`)."""
+    return isinstance(item, torch.Tensor) and not is_parameter(item)
 
 
 def _whole(name: str, value: Any) -> int:
