@@ -52,7 +52,7 @@ from rich.console import Console
 from typer.core import TyperGroup
 
 from gradstat._version import __version__
-from gradstat.errors import GradstatError, NativeKernelWarning, StoppedTogether
+from gradstat.errors import GradstatError, NativeKernelWarning, SnapshotError, StoppedTogether
 
 if TYPE_CHECKING:
     from typer._click.exceptions import UsageError
@@ -440,13 +440,6 @@ def _parse_norm_type(text: str) -> float:
         raise GradstatError(message) from None
 
 
-def _holds_rank_files(folder: str) -> bool:
-    try:
-        return any(name.endswith(".safetensors") for name in os.listdir(folder))
-    except OSError:
-        return False
-
-
 def _refuse_run_dir(*snapshot_dirs: Path) -> None:
     """Refuse a directory of snapshots (the flight recorder's run directory, holding step-N
     folders) where one snapshot is wanted, naming the snapshots it holds.
@@ -454,20 +447,15 @@ def _refuse_run_dir(*snapshot_dirs: Path) -> None:
     Raises:
         GradstatError: ``snapshot_dir`` holds no rank file but folders that do.
     """
+    from gradstat.analysis.history import find_snapshots
+
     for snapshot_dir in snapshot_dirs:
         try:
-            entries = list(os.scandir(snapshot_dir))
-        except OSError:
-            continue  # the reader says what is wrong with it
-        if any(entry.name.endswith(".safetensors") for entry in entries):
-            continue
-        found = sorted(
-            entry.name
-            for entry in entries
-            if not entry.name.startswith(".") and entry.is_dir() and _holds_rank_files(entry.path)
-        )
-        if not found:
-            continue
+            if any(entry.name.endswith(".safetensors") for entry in os.scandir(snapshot_dir)):
+                continue
+            found = [path.name for path in find_snapshots(snapshot_dir)]
+        except (OSError, SnapshotError):
+            continue  # no snapshots inside: the reader says what is wrong with it
         named = found if len(found) <= 4 else [*found[:2], "...", found[-1]]
         noun = "snapshot" if len(found) == 1 else "snapshots"
         raise GradstatError(
