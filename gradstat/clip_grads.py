@@ -324,8 +324,13 @@ class GradNorm:
         if self.parameters is None:
             _megatron_grads(grads, "GradNorm")
         if self.p in (1, 2) and self._plannable(grads):
-            self._plan = kernels.CudaPlan(grads)
-            self._plan_key = self._key(grads)
+            self._capture(grads)
+
+    def _capture(self, grads: list[Tensor]) -> kernels.CudaPlan:
+        """Capture the graph of ``grads`` (a plannable list) and remember what it holds."""
+        self._plan = kernels.CudaPlan(grads)
+        self._plan_key = self._key(grads)
+        return self._plan
 
     def _plannable(self, grads: list[Tensor]) -> bool:
         """Whether a CUDA graph can serve: plain strided gradients on one CUDA device."""
@@ -359,8 +364,7 @@ class GradNorm:
         # Parameters without gradients when it was built: the first CUDA gradients plan it.
         first_cuda = plan is None and self.parameters is not None and grads and grads[0].is_cuda
         if first_cuda and self.p in (1, 2) and self._plannable(grads):
-            plan = self._plan = kernels.CudaPlan(grads)
-            self._plan_key = self._key(grads)
+            plan = self._capture(grads)
         if plan is None:
             return get_grad_norm_fp32(grads, self.p, self.group)
         try:
@@ -370,8 +374,7 @@ class GradNorm:
         if key != self._plan_key:
             if not self._plannable(grads):
                 return get_grad_norm_fp32(grads, self.p, self.group)
-            plan = self._plan = kernels.CudaPlan(grads)  # a gradient moved or was resized
-            self._plan_key = key
+            plan = self._capture(grads)  # a gradient moved or was resized
         device, p = grads[0].device, int(self.p)
 
         def reduce(compute: kernels.StatCompute, op: dist.ReduceOp.RedOpType) -> Tensor:
@@ -592,7 +595,6 @@ def _held_grad(item: Any, attr: str, index: int, what: str) -> Tensor | None:
     if (
         grad is None
         and isinstance(item, Tensor)
-        and not isinstance(item, torch.nn.Parameter)
         and not is_parameter(item)
         and item.layout == torch.strided
         and attr == "grad"
