@@ -63,7 +63,6 @@ import re
 import secrets
 import shutil
 import statistics
-import struct
 import sys
 import threading
 import time
@@ -87,9 +86,10 @@ from gradstat.core.predicates import (
     param_is_not_shared,
     param_is_not_tensor_parallel_duplicate,
 )
-from gradstat.errors import ArgumentError, ArgumentTypeError, PeerTimeoutError
+from gradstat.errors import ArgumentError, ArgumentTypeError, PeerTimeoutError, SnapshotError
 from gradstat.snapshot.capture import dump_rank, gradients_to_dump, named_gradients
-from gradstat.snapshot.format import FILE_PATTERN, METADATA_KEY
+from gradstat.snapshot.format import FILE_PATTERN
+from gradstat.snapshot.reader import open_rank_file
 
 __all__ = ["ROUTINE_TRIGGERS", "TRIGGERS", "Recorder", "StepRecord", "complete_snapshots"]
 
@@ -188,17 +188,11 @@ def step_number(step: Any) -> int:
 
 
 def _header_triggers(snapshot: Path) -> tuple[str, ...] | None:
-    """The triggers in the rank 0 file's header (a safetensors length and JSON), None if it
-    cannot be read."""
+    """The triggers in the rank 0 file's header, as the reader reads it; None if it cannot be
+    read."""
     try:
-        with open(snapshot / FILE_PATTERN.format(rank=0), "rb") as file:
-            (length,) = struct.unpack("<Q", file.read(8))
-            if length > 1 << 30:
-                return None
-            document = json.loads(file.read(length))
-        header = json.loads(document["__metadata__"][METADATA_KEY])
-        return tuple(str(name) for name in header.get("triggers", []))
-    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return open_rank_file(snapshot, FILE_PATTERN.format(rank=0)).header.triggers
+    except SnapshotError:
         return None
 
 
