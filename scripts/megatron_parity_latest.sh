@@ -10,8 +10,10 @@
 # on 8 gloo CPU processes: Megatron's real parallel_state with GTP and EGTP, Megatron's own
 # clip_grads functions, gradstat given Megatron's arguments, dump_rank's coordinates, all
 # held against float64; then real Megatron jobs on 4 (scripts/parity_latest/live_jobs.py: its
-# GPTModel with GTP and MoE layers with EGTP, DDP and optimizer, the README's recipes).
-# Arguments name layouts or jobs to run alone. stdout is the table that goes into README.md;
+# GPTModel with GTP and MoE layers with EGTP, DDP and optimizer, the README's recipes), and
+# --save-wgrads-interval dumps written by Megatron's own save_grads, read by the CLI
+# (scripts/parity_latest/wgrads_jobs.py). Arguments name layouts or jobs to run alone
+# (`wgrads`: all the save_grads jobs). stdout is the table that goes into README.md;
 # progress goes to stderr.
 set -euo pipefail
 cd "$(dirname "$0")/.."

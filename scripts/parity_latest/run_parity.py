@@ -15,7 +15,9 @@ the plain optimizer and the distributed optimizer, it compares:
   each rank dumped;
 - then real Megatron jobs on 4 gloo processes (live_jobs.py): its GPTModel with GTP, MoE layers
   with EGTP, its DDP and optimizer (plain and distributed), dumped by the README's recipes, the
-  CLI's numbers against float64 and Megatron's own.
+  CLI's numbers against float64 and Megatron's own;
+- Megatron's own ``--save-wgrads-interval`` dumps, written by its ``save_grads`` on 4 gloo
+  processes (wgrads_jobs.py), the CLI on them against float64 and Megatron's own.
 
 stdout is the report (what README.md quotes); progress goes to stderr. Exit status 0 when
 every check holds or differs for a reason the report states, 1 otherwise.
@@ -42,6 +44,7 @@ for _path in (str(_ROOT), str(_HERE)):
 
 import live_jobs  # noqa: E402
 import ranks  # noqa: E402
+import wgrads_jobs  # noqa: E402
 
 from gradstat.testing import Case, launch  # noqa: E402
 from tests import _jobs  # noqa: E402
@@ -386,12 +389,16 @@ def main(argv: list[str]) -> int:
     mcore = ranks.megatron_version()
     known = [layout.name for layout in LAYOUTS]
     known += list(dict.fromkeys(job.name for job in live_jobs.LIVE_JOBS))
+    known += ["wgrads", *dict.fromkeys(job.name for job in wgrads_jobs.WGRADS_JOBS)]
     unknown = set(argv) - set(known)
     if unknown:
         _say(f"unknown layouts {sorted(unknown)}; known: {known}")
         return 2
     layouts = [layout for layout in LAYOUTS if not argv or layout.name in argv]
     jobs = [job for job in live_jobs.LIVE_JOBS if not argv or job.name in argv]
+    wgrads = [
+        job for job in wgrads_jobs.WGRADS_JOBS if not argv or "wgrads" in argv or job.name in argv
+    ]
     report = Report()
     today = datetime.date.today().isoformat()
     report.lines.append(
@@ -403,6 +410,8 @@ def main(argv: list[str]) -> int:
             _layout_sections(report, layouts, Path(scratch), mcore)
         if jobs:
             _live_section(report, jobs, Path(scratch))
+        if wgrads:
+            wgrads_jobs.wgrads_section(report, wgrads, Path(scratch))
     report.lines.append("")
     if report.failures:
         report.lines.append(f"{len(report.failures)} of {report.checks} checks FAILED:")
