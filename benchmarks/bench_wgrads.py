@@ -21,7 +21,9 @@ ours/peer, the ratio of the fastest runs, and each side's peak RSS against the l
 (the one-file working set) and an idle ``import torch`` process. With mmap, the pages of a
 mapped file a process touches count in its RSS while mapped (as file-backed, shared pages the
 page cache holds anyway), so peak RSS here is the mapped bytes resident at once plus the
-process's own memory, not memory taken from others. ``--peer-only`` times the peer alone (to
+process's own memory, not memory taken from others. (The dump is written by a child process,
+so that this one stays small: wait4's peak RSS of a child is at least its parent's resident set
+at the fork.) ``--peer-only`` times the peer alone (to
 test the script where gradstat cannot read the dump).
 
 Usage::
@@ -43,8 +45,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-import torch
+from typing import Any
 
 ENV = {name: value for name, value in os.environ.items() if name != "PYTHONDONTWRITEBYTECODE"}
 ITERATION = 100
@@ -76,6 +77,8 @@ def _geometry(gib: float, tp: int, pp: int) -> tuple[int, int, int]:
 
 def write_dump(directory: Path, gib: float, tp: int, pp: int) -> float:
     """Write the dump (seeded); return the float64 L2 norm of the logical gradient."""
+    import torch
+
     hidden, vocab, layers = _geometry(gib, tp, pp)
     per_stage = layers // pp
     gen = torch.Generator().manual_seed(0)
@@ -142,7 +145,15 @@ def main() -> int:
     parser.add_argument("--dir", type=Path, default=None, help="write the dump under here")
     parser.add_argument("--peer", choices=sorted(PEERS), default="sum", help="the peer's pass")
     parser.add_argument("--peer-only", action="store_true", help="time the peer alone")
+    parser.add_argument("--write", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.write:
+        import torch
+
+        expected = write_dump(args.write, args.gib, args.tp, args.pp)
+        version, threads = torch.__version__, torch.get_num_threads()
+        print(json.dumps({"expected": expected, "torch": version, "threads": threads}))
+        return 0
     root = Path(tempfile.mkdtemp(prefix="gradstat-bench-wgrads-", dir=args.dir))
     try:
         dump = root / "wgrads" / f"iter_{ITERATION:07d}"
@@ -153,7 +164,11 @@ def main() -> int:
             f"{vocab}, {layers} layers, in {dump}",
             file=sys.stderr,
         )
-        expected = write_dump(dump, args.gib, args.tp, args.pp)
+        # Written by a child: this process stays small (no torch), because a child's peak RSS
+        # as wait4 reports it is at least its parent's resident set at the fork.
+        writer = [sys.executable, __file__, "--write", str(dump), "--gib", str(args.gib)]
+        writer += ["--tp", str(args.tp), "--pp", str(args.pp)]
+        written = json.loads(subprocess.run(writer, check=True, stdout=subprocess.PIPE).stdout)
         files = sorted(str(path) for path in dump.glob("*.pth"))
         sizes = [Path(path).stat().st_size for path in files]
         commands = {
@@ -168,7 +183,7 @@ def main() -> int:
             for side in sides if repeat % 2 == 0 else sides[::-1]:
                 runs[side].append(_run(commands[side]))
         idle = _run([sys.executable, "-c", "import torch"])["peak_rss"]
-        _report(args, runs, expected, sizes, float(idle))
+        _report(args, runs, written, sizes, float(idle))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return 0
@@ -177,14 +192,15 @@ def main() -> int:
 def _report(
     args: argparse.Namespace,
     runs: dict[str, list[dict[str, float | str]]],
-    expected: float,
+    written: dict[str, Any],
     sizes: list[int],
     idle: float,
 ) -> None:
     gib, mib = 1 << 30, 1 << 20
+    expected = float(written["expected"])
     peer_name = f"torch.load(mmap) + {'t.sum()' if args.peer == 'sum' else 'float64 sum(t*t)'}"
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; "
+        f"torch {written['torch']}, {written['threads']} threads, {os.cpu_count()} CPUs; "
         f"dump {sum(sizes) / gib:.2f} GiB in {len(sizes)} files (largest "
         f"{max(sizes) / gib:.2f} GiB), page cache warm (both read once first), "
         f"{args.repeats} repeats alternating\n"
