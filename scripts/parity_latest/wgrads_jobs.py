@@ -368,6 +368,18 @@ def _cli(*args: str) -> tuple[int, dict[str, Any]]:
     return result.returncode, json.loads(result.stdout)
 
 
+def _tied_copies_equal(job: WgradsJob, dump: Path) -> bool:
+    """Whether the last stage's output_layer.weight equals the first stage's embedding bit for
+    bit in every TP file (finalize_model_grads all-reduces the two; how a reader can tell a
+    tied copy from an untied output layer)."""
+    for tp_rank in range(job.tp):
+        first = torch.load(dump / f"mp_rank_{tp_rank:02d}_000.pth", weights_only=True)
+        last = torch.load(dump / f"mp_rank_{tp_rank:02d}_{job.pp - 1:03d}.pth", weights_only=True)
+        if not torch.equal(first["model_chunk0"][EMBEDDING], last["model_chunk0"][OUTPUT_COPY]):
+            return False
+    return True
+
+
 def wgrads_rows(report: Report, job: WgradsJob, values: list[dict[str, Any]], root: Path) -> None:
     """The CLI on the job's dump against float64 and Megatron's numbers: one row."""
     where = job.case
@@ -376,6 +388,8 @@ def wgrads_rows(report: Report, job: WgradsJob, values: list[dict[str, Any]], ro
     dump = root / job.folder / "wgrads" / f"iter_{ITERATION:07d}"
     written = {path.name for path in dump.glob("*.pth")}
     report.check(written == job.files(), f"{where}: save_grads wrote {sorted(written)}")
+    if job.pp > 1:
+        report.check(_tied_copies_equal(job, dump), f"{where}: the tied copies differ")
     expected = {p: float64_norm(truth.values(), p) for p in (2.0, 1.0, math.inf)}
     expected_zeros = zeros_in(truth.values())
     megatron_norms = [value["megatron_norm"] for value in values]
