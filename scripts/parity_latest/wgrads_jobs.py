@@ -25,9 +25,11 @@ against float64 statistics of the logical gradient (each tensor once under its g
 tied output layer is the embedding, dense tensors repeated in the EP files once) and against
 Megatron's numbers.
 
-The Transformer Engine spec is not run: Transformer Engine is not installed here; its PyTorch
-extension is built against CUDA and loads the CUDA driver when imported, so it does not import on
-a CPU-only machine (tests/_wgrads.py covers the TE spec's names with synthetic dumps).
+The Transformer Engine spec is not run: Transformer Engine is not in this environment. Its
+PyTorch part on the registry (transformer-engine-torch 2.20.2) is a source package only, a C++
+extension compiled against torch and the CUDA core library of transformer-engine-cu12/-cu13,
+for machines with an NVIDIA driver (none here); building it on a CPU machine was not attempted.
+tests/_wgrads.py covers the TE spec's parameter names with synthetic dumps.
 """
 
 from __future__ import annotations
@@ -463,7 +465,7 @@ def wgrads_section(report: Report, jobs: list[WgradsJob], scratch: Path) -> None
         "force_all_reduce, the dump written by megatron.training.checkpointing.save_grads, 4 "
         "gloo CPU processes; gradstat norm/zeros/audit on the wgrads directory against float64 "
         "of the logical gradient (relative error) and Megatron's get_grad_norm_fp32 and "
-        "count_zeros_fp32; the Transformer Engine spec not run (no Transformer Engine on CPU)",
+        "count_zeros_fp32; the Transformer Engine spec not run (Transformer Engine not installed)",
     ]
     report.row(*WGRADS_HEADER, widths=WGRADS_WIDTHS)
     for job in jobs:
