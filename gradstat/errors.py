@@ -75,3 +75,8 @@ class NativeKernelWarning(UserWarning):
     same numbers, about 3x slower. Said once per process; silence it with
     ``warnings.filterwarnings("ignore", category=NativeKernelWarning)``, or turn the kernel off
     with ``GRADSTAT_NATIVE=0``."""
+
+
+class DumpWarning(UserWarning):
+    """Something a dump's files suggest but cannot prove (a Megatron wgrads dump whose shapes
+    say another TP size than its files)."""

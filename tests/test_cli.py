@@ -146,7 +146,11 @@ NORM_TYPES_TOLD = "use 2, 1, inf or a number p > 0"
             f"--norm-type 'two' is not supported; {NORM_TYPES_TOLD}",
         ),
         (["norm", "SAMPLE", "--max-norm", "-1"], "--max-norm must be a positive number, got -1.0"),
-        (["zeros", "EMPTY"], "EMPTY: no rank files (*.safetensors) in the directory"),
+        (
+            ["zeros", "EMPTY"],
+            "EMPTY: no rank files (*.safetensors) in the directory, nor a Megatron wgrads dump "
+            "(mp_rank_*.pth)",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str, tmp_path: Path) -> None:

@@ -204,7 +204,8 @@ def test_error_line_shows_a_hostile_path_as_escapes(tmp_path: Path) -> None:
     result = _gradstat("zeros", empty)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr == (
-        f"gradstat: error: {tmp_path}/{DIR_SHOWN}: no rank files (*.safetensors) in the directory\n"
+        f"gradstat: error: {tmp_path}/{DIR_SHOWN}: no rank files (*.safetensors) in the "
+        "directory, nor a Megatron wgrads dump (mp_rank_*.pth)\n"
     )
 
 

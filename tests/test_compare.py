@@ -189,7 +189,8 @@ def test_bad_second_snapshot_is_one_line(tmp_path: Path) -> None:
     assert result.exit_code == 2
     assert (
         result.stderr.strip()
-        == f"gradstat: error: {tmp_path}: no rank files (*.safetensors) in the directory"
+        == f"gradstat: error: {tmp_path}: no rank files (*.safetensors) in the directory, nor a "
+        "Megatron wgrads dump (mp_rank_*.pth)"
     )
 
 

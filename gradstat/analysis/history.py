@@ -21,12 +21,15 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gradstat.analysis.report import json_number
 from gradstat.analysis.stats import snapshot_stats
 from gradstat.errors import SnapshotError
-from gradstat.snapshot.reader import Snapshot
+from gradstat.snapshot.reader import Snapshot, holds_rank_files
+
+if TYPE_CHECKING:
+    from gradstat.snapshot.wgrads import WgradsOptions
 
 __all__ = [
     "JUMP_KINDS",
@@ -48,12 +51,13 @@ def find_snapshots(root: Path) -> list[Path]:
     found = [
         path
         for path in sorted(root.iterdir())
-        if path.is_dir()
-        and not path.name.startswith(".")
-        and any(child.name.endswith(".safetensors") for child in path.iterdir())
+        if path.is_dir() and not path.name.startswith(".") and holds_rank_files(path)
     ]
     if not found:
-        raise SnapshotError(f"{root}: no snapshot directories (with *.safetensors) inside")
+        raise SnapshotError(
+            f"{root}: no snapshot directories (with *.safetensors, or a Megatron wgrads dump's "
+            "mp_rank_*.pth) inside"
+        )
     return found
 
 
@@ -151,8 +155,12 @@ def read_history(
     factor: float = 10.0,
     zeros_change: float = 0.1,
     on_snapshot: Callable[[Path], None] | None = None,
+    options: WgradsOptions | None = None,
 ) -> History:
     """Read every snapshot under ``root`` once, in step order, and find each parameter's jump.
+
+    ``root`` may be a Megatron job's ``wgrads/`` folder: its ``iter_*`` dumps are read with
+    ``options``, the iteration from each folder's name.
 
     Raises:
         SnapshotError: no snapshots, a bad snapshot (named), two snapshots of the same step
@@ -160,7 +168,7 @@ def read_history(
     """
     opened = []
     for index, path in enumerate(find_snapshots(root)):
-        snapshot = Snapshot.open(path)
+        snapshot = Snapshot.open(path, options)
         opened.append((_step_of(snapshot, index), path, snapshot))
     opened.sort(key=lambda entry: (entry[0], _repeat_of(entry[1], entry[0]) or 0, entry[1].name))
     for (step, path, _), (other, earlier, _) in zip(opened[1:], opened, strict=False):

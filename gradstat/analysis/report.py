@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from gradstat.core.placements import MeshPlacement
     from gradstat.snapshot.format import RankHeader
 from gradstat.snapshot import Snapshot, SnapshotShare
+from gradstat.snapshot.format import is_wgrads_name
 
 __all__ = [
     "ZEROS_ORDERS",
@@ -76,6 +77,9 @@ class SnapshotInfo:
     # Every gradient is a DTensor: its placements decide what counts, and the header's
     # optimizer flag says nothing of the job's optimizer unless it was set.
     dtensor: bool = False
+    # "gradstat" (rank files) or "megatron-wgrads" (a --save-wgrads-interval dump, whose
+    # attributes gradstat rebuilt: ``inspect`` says by which rule).
+    source: str = "gradstat"
 
 
 def _first_header(snapshot: Snapshot | SnapshotShare) -> RankHeader:
@@ -96,7 +100,16 @@ def snapshot_info(snapshot: Snapshot | SnapshotShare) -> SnapshotInfo:
         snapshot.distributed_optimizer,
         triggers=header.triggers,
         dtensor=bool(with_grad) and all(record.dtensor is not None for record in with_grad),
+        source=_source(snapshot),
     )
+
+
+def _source(snapshot: Snapshot | SnapshotShare) -> str:
+    if isinstance(snapshot, SnapshotShare):
+        first = snapshot.summaries[0].path
+    else:
+        first = snapshot.files[0].path
+    return "megatron-wgrads" if is_wgrads_name(first.name) else "gradstat"
 
 
 @dataclass(frozen=True)
@@ -329,6 +342,10 @@ class ParamInspectRow:
     gtp_pad_length: int
     no_grad: bool
     placements: str | None = None  # a DTensor's, with its mesh dimension names
+    # A Megatron wgrads dump's: what decided its attributes (a name rule, the shapes, an
+    # option), and the file:chunk/local name of each tensor it was read from.
+    rule: str | None = None
+    sources: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -348,9 +365,14 @@ def inspect_report(snapshot: Snapshot) -> InspectReport:
     """What gradstat rebuilt from the headers alone (no gradient is read)."""
     rows: dict[str, ParamInspectRow] = {}
     holders: dict[str, int] = {}
+    sources: dict[str, list[str]] = {}
     for rank_file in snapshot.files:
         for record in rank_file.header.params:
             holders[record.name] = holders.get(record.name, 0) + 1
+            source = rank_file.source(record.name)
+            if source is not None:
+                where = f"{rank_file.path.name}:{source.chunk}/{source.local_name}"
+                sources.setdefault(record.name, []).append(where)
             if record.name in rows:
                 continue
             placements = None
@@ -380,8 +402,12 @@ def inspect_report(snapshot: Snapshot) -> InspectReport:
                 else 0,
                 no_grad=not record.has_grad,
                 placements=placements,
+                rule=None if source is None else source.rule,
             )
-    params = tuple(replace(row, ranks=holders[name]) for name, row in rows.items())
+    params = tuple(
+        replace(row, ranks=holders[name], sources=tuple(sources.get(name, ())))
+        for name, row in rows.items()
+    )
     files = tuple(FileRow(file.rank, str(file.path), file.size_bytes) for file in snapshot.files)
     first = snapshot.files[0].header
     return InspectReport(

@@ -27,7 +27,6 @@ from gradstat.analysis.stats import counts
 from gradstat.core.axes import Axis
 from gradstat.core.predicates import gtp_pad_start
 from gradstat.snapshot import RankFile, Snapshot
-from gradstat.snapshot.container import mapped
 from gradstat.snapshot.format import DTYPES, ParamRecord
 
 __all__ = [
@@ -302,7 +301,7 @@ class MappedFiles:
         """The tile's tensor, read-only, flattened."""
         tensors = self._maps.get(tile.rank_file.path)
         if tensors is None:
-            tensors = self._stack.enter_context(mapped(tile.rank_file.container))
+            tensors = self._stack.enter_context(tile.rank_file.tensors())
             self._maps[tile.rank_file.path] = tensors
         return tensors[tile.name].reshape(-1)
 

@@ -52,7 +52,13 @@ from rich.console import Console
 from typer.core import TyperGroup
 
 from gradstat._version import __version__
-from gradstat.errors import GradstatError, NativeKernelWarning, SnapshotError, StoppedTogether
+from gradstat.errors import (
+    DumpWarning,
+    GradstatError,
+    NativeKernelWarning,
+    SnapshotError,
+    StoppedTogether,
+)
 
 if TYPE_CHECKING:
     from typer._click.exceptions import UsageError
@@ -61,6 +67,7 @@ if TYPE_CHECKING:
     from gradstat.cli.render import ProgressBars
     from gradstat.distributed.runner import Processes, Progress
     from gradstat.snapshot import Snapshot, SnapshotShare
+    from gradstat.snapshot.wgrads import WgradsOptions
 else:
     # typer exports one click exception on every release, whether it vendors click (0.2x on)
     # or depends on it: BadParameter, whose base class is click's UsageError.
@@ -92,7 +99,7 @@ def _one_line_warnings(show: Callable[..., None]) -> Callable[..., None]:
     def show_warning(
         message: Warning | str, category: type[Warning], *where: Any, **more: Any
     ) -> None:
-        if not issubclass(category, NativeKernelWarning):
+        if not issubclass(category, (NativeKernelWarning, DumpWarning)):
             show(message, category, *where, **more)
         elif os.environ.get("LOCAL_RANK", "0") == "0":
             from gradstat.cli.render import visible
@@ -403,6 +410,58 @@ StatusFileOption = Annotated[
     ),
 ]
 
+# A Megatron wgrads dump (`--save-wgrads-interval`) says no attribute: what its files do not
+# tell, the user states (gradstat.snapshot.wgrads).
+TpShardedOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--tp-sharded",
+        metavar="PATTERN=DIM",
+        help="Megatron wgrads dumps: parameters whose local name matches PATTERN (fnmatch) are "
+        "split over tensor parallelism along DIM (0 column-parallel, 1 row-parallel). "
+        "Repeatable; before the built-in naming rules.",
+    ),
+]
+TpReplicatedOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--tp-replicated",
+        metavar="PATTERN",
+        help="Megatron wgrads dumps: parameters matching PATTERN are full copies on every TP "
+        "rank. Repeatable.",
+    ),
+]
+EtpOption = Annotated[
+    int | None,
+    typer.Option(
+        "--etp", help="Megatron wgrads dumps: the expert TP size, where the files do not tell it."
+    ),
+]
+GtpOption = Annotated[
+    int | None,
+    typer.Option("--gtp", help="Megatron wgrads dumps: the job's GTP size (> 1 is refused)."),
+]
+TiedOutputOption = Annotated[
+    str,
+    typer.Option(
+        "--tied-output",
+        help="Megatron wgrads dumps: whether the last stage's output_layer.weight is the "
+        "embedding's tied copy: yes, no, or auto (equal gradients: tied).",
+    ),
+]
+
+
+def _layout(
+    tp_sharded: list[str] | None,
+    tp_replicated: list[str] | None,
+    etp: int | None,
+    gtp: int | None,
+    tied_output: str,
+) -> WgradsOptions:
+    from gradstat.snapshot.wgrads import WgradsOptions
+
+    return WgradsOptions.parse(tp_sharded or (), tp_replicated or (), etp, gtp, tied_output)
+
 
 def _finite(value: float) -> float:
     """Refuse inf and nan where a number of seconds or a tolerance is wanted (a usage error)."""
@@ -448,10 +507,11 @@ def _refuse_run_dir(*snapshot_dirs: Path) -> None:
         GradstatError: ``snapshot_dir`` holds no rank file but folders that do.
     """
     from gradstat.analysis.history import find_snapshots
+    from gradstat.snapshot.reader import holds_rank_files
 
     for snapshot_dir in snapshot_dirs:
         try:
-            if any(entry.name.endswith(".safetensors") for entry in os.scandir(snapshot_dir)):
+            if holds_rank_files(snapshot_dir):
                 continue
             found = [path.name for path in find_snapshots(snapshot_dir)]
         except (OSError, SnapshotError):
@@ -471,6 +531,7 @@ def _statistics(
     device: str,
     timeout: float,
     as_json: bool,
+    layout: WgradsOptions,
 ) -> tuple[Snapshot | SnapshotShare, SnapshotStats, bool]:
     """Open, validate and reduce the snapshot, in this process or over torchrun's (each
     process validating its share of the rank files).
@@ -483,7 +544,7 @@ def _statistics(
 
     _refuse_run_dir(snapshot_dir)
     processes = _session().join(timeout, [snapshot_dir], as_json)
-    snapshot = open_shared(processes, snapshot_dir)
+    snapshot = open_shared(processes, snapshot_dir, layout)
     request = Request.make(norm_types, zeros, together(processes, lambda: pick_device(device)))
     pieces = gather_pieces(snapshot, request, processes)
     return snapshot, merge(pieces, request), processes.is_first
@@ -569,6 +630,11 @@ def norm(
     as_json: JsonOption = False,
     device: DeviceOption = "cpu",
     timeout: TimeoutOption = 30.0,
+    tp_sharded: TpShardedOption = None,
+    tp_replicated: TpReplicatedOption = None,
+    etp: EtpOption = None,
+    gtp: GtpOption = None,
+    tied_output: TiedOutputOption = "auto",
     status_file: StatusFileOption = None,
 ) -> None:
     """The global gradient norm as Megatron computes it, and each parameter's share.
@@ -582,7 +648,15 @@ def norm(
     from gradstat.analysis.report import norm_report
     from gradstat.cli.render import print_norm
 
-    snapshot, stats, prints = _statistics(snapshot_dir, (p,), False, device, timeout, as_json)
+    snapshot, stats, prints = _statistics(
+        snapshot_dir,
+        (p,),
+        False,
+        device,
+        timeout,
+        as_json,
+        _layout(tp_sharded, tp_replicated, etp, gtp, tied_output),
+    )
     if not prints:
         return
     _refuse_overflow(snapshot_dir, stats, p, norm_type)
@@ -616,6 +690,11 @@ def zeros(
     as_json: JsonOption = False,
     device: DeviceOption = "cpu",
     timeout: TimeoutOption = 30.0,
+    tp_sharded: TpShardedOption = None,
+    tp_replicated: TpReplicatedOption = None,
+    etp: EtpOption = None,
+    gtp: GtpOption = None,
+    tied_output: TiedOutputOption = "auto",
     status_file: StatusFileOption = None,
 ) -> None:
     """num_zeros as Megatron counts it (GTP padding excluded), and per parameter (most zeros
@@ -628,7 +707,15 @@ def zeros(
 
     if sort not in ZEROS_ORDERS:
         raise GradstatError(f"--sort {sort!r} is not an order; use {', '.join(ZEROS_ORDERS)}")
-    snapshot, stats, prints = _statistics(snapshot_dir, (), True, device, timeout, as_json)
+    snapshot, stats, prints = _statistics(
+        snapshot_dir,
+        (),
+        True,
+        device,
+        timeout,
+        as_json,
+        _layout(tp_sharded, tp_replicated, etp, gtp, tied_output),
+    )
     if not prints:
         return
     report = zeros_report(snapshot, stats, sort, top if as_json else (top or 20))
@@ -659,6 +746,11 @@ def clip(
     as_json: JsonOption = False,
     device: DeviceOption = "cpu",
     timeout: TimeoutOption = 30.0,
+    tp_sharded: TpShardedOption = None,
+    tp_replicated: TpReplicatedOption = None,
+    etp: EtpOption = None,
+    gtp: GtpOption = None,
+    tied_output: TiedOutputOption = "auto",
     status_file: StatusFileOption = None,
 ) -> None:
     """Write a clipped copy of a snapshot (clip_grad_by_total_norm_fp32 semantics).
@@ -678,9 +770,10 @@ def clip(
     from gradstat.snapshot import Snapshot
     from gradstat.snapshot.clip import check_output_dir, write_clipped
 
+    layout = _layout(tp_sharded, tp_replicated, etp, gtp, tied_output)
     if launch_rank() == 0:  # process 0 alone writes the copy, maybe on its own machine
         check_output_dir(snapshot_dir, out)
-    opened, stats, prints = _statistics(snapshot_dir, (p,), False, device, timeout, as_json)
+    opened, stats, prints = _statistics(snapshot_dir, (p,), False, device, timeout, as_json, layout)
     if not prints:
         return
     _refuse_overflow(snapshot_dir, stats, p, norm_type)
@@ -693,7 +786,7 @@ def clip(
         )
     coefficient = clip_coefficient(max_norm, total)
     # Under torchrun each process read its share; process 0 writes every rank file.
-    snapshot = opened if isinstance(opened, Snapshot) else Snapshot.open(snapshot_dir)
+    snapshot = opened if isinstance(opened, Snapshot) else Snapshot.open(snapshot_dir, layout)
     files, total_bytes = len(snapshot.files), sum(file.size_bytes for file in snapshot.files)
     written = [0, 0]
 
@@ -726,6 +819,11 @@ def compare(
     as_json: JsonOption = False,
     device: DeviceOption = "cpu",
     timeout: TimeoutOption = 30.0,
+    tp_sharded: TpShardedOption = None,
+    tp_replicated: TpReplicatedOption = None,
+    etp: EtpOption = None,
+    gtp: GtpOption = None,
+    tied_output: TiedOutputOption = "auto",
     status_file: StatusFileOption = None,
 ) -> None:
     """Two snapshots of one model, parameter by parameter, whatever their layouts.
@@ -738,11 +836,16 @@ def compare(
     from gradstat.distributed.runner import pick_device, together
     from gradstat.snapshot import Snapshot
 
+    layout = _layout(tp_sharded, tp_replicated, etp, gtp, tied_output)
     _refuse_run_dir(snapshot_a, snapshot_b)
     processes = _session().join(timeout, [snapshot_a, snapshot_b], as_json)
     *snapshots, where = together(
         processes,
-        lambda: (Snapshot.open(snapshot_a), Snapshot.open(snapshot_b), pick_device(device)),
+        lambda: (
+            Snapshot.open(snapshot_a, layout),
+            Snapshot.open(snapshot_b, layout),
+            pick_device(device),
+        ),
     )
     report = compare_snapshots(snapshots[0], snapshots[1], processes, rtol, where)
     if not processes.is_first:
@@ -759,6 +862,11 @@ def audit(
     as_json: JsonOption = False,
     device: DeviceOption = "cpu",
     timeout: TimeoutOption = 30.0,
+    tp_sharded: TpShardedOption = None,
+    tp_replicated: TpReplicatedOption = None,
+    etp: EtpOption = None,
+    gtp: GtpOption = None,
+    tied_output: TiedOutputOption = "auto",
     status_file: StatusFileOption = None,
 ) -> None:
     """Check the gradients against what their attributes promise.
@@ -774,10 +882,11 @@ def audit(
     from gradstat.distributed.runner import pick_device, together
     from gradstat.snapshot import Snapshot
 
+    layout = _layout(tp_sharded, tp_replicated, etp, gtp, tied_output)
     _refuse_run_dir(snapshot_dir)
     processes = _session().join(timeout, [snapshot_dir], as_json)
     snapshot, where = together(
-        processes, lambda: (Snapshot.open(snapshot_dir), pick_device(device))
+        processes, lambda: (Snapshot.open(snapshot_dir, layout), pick_device(device))
     )
     report = audit_snapshot(snapshot, processes, rtol, where)
     if not processes.is_first:
@@ -789,7 +898,14 @@ def audit(
 
 @app.command()
 def inspect(
-    snapshot_dir: SnapshotArg, as_json: JsonOption = False, status_file: StatusFileOption = None
+    snapshot_dir: SnapshotArg,
+    as_json: JsonOption = False,
+    tp_sharded: TpShardedOption = None,
+    tp_replicated: TpReplicatedOption = None,
+    etp: EtpOption = None,
+    gtp: GtpOption = None,
+    tied_output: TiedOutputOption = "auto",
+    status_file: StatusFileOption = None,
 ) -> None:
     """What gradstat rebuilt: world size, axes, files, and each parameter's attributes."""
     from gradstat.analysis.report import inspect_report
@@ -797,7 +913,9 @@ def inspect(
     from gradstat.snapshot import Snapshot
 
     _refuse_run_dir(snapshot_dir)
-    report = inspect_report(Snapshot.open(snapshot_dir))
+    report = inspect_report(
+        Snapshot.open(snapshot_dir, _layout(tp_sharded, tp_replicated, etp, gtp, tied_output))
+    )
     _emit(as_json, report.to_json(), lambda console: print_inspect(console, report))
 
 
@@ -822,6 +940,11 @@ def history(
         typer.Option("--top", min=1, help="Parameters in the table (20 unless given)."),
     ] = None,
     as_json: JsonOption = False,
+    tp_sharded: TpShardedOption = None,
+    tp_replicated: TpReplicatedOption = None,
+    etp: EtpOption = None,
+    gtp: GtpOption = None,
+    tied_output: TiedOutputOption = "auto",
     status_file: StatusFileOption = None,
 ) -> None:
     """Norms and zero counts over a run's snapshots, and where each parameter first jumped.
@@ -835,7 +958,9 @@ def history(
     p = _parse_norm_type(norm_type)
     if not (math.isfinite(factor) and factor > 1):
         raise GradstatError(f"--factor must be a number > 1, got {factor}")
-    found = read_history(root, p, factor=factor)
+    found = read_history(
+        root, p, factor=factor, options=_layout(tp_sharded, tp_replicated, etp, gtp, tied_output)
+    )
     _emit(as_json, found.to_json(), lambda console: print_history(console, found, top or 20))
     if any(series.jump_kind == "nonfinite" for series in found.params.values()):
         raise typer.Exit(EXIT_FINDINGS)

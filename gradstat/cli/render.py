@@ -143,14 +143,17 @@ def _header(console: Console, info: SnapshotInfo) -> None:
     "distributed": their placements decide what counts, whatever the job's optimizer.
     """
     parts = [_count(info.world_size, "rank")]
-    if info.distributed_optimizer:
+    if info.source == "megatron-wgrads":
+        # No optimizer is saved: the dump is the all-reduced main_grad of each writer.
+        parts = [f"Megatron wgrads dump, {_count(info.world_size, 'file')}"]
+    elif info.distributed_optimizer:
         parts.append("distributed optimizer")
     elif info.dtensor:
         parts.append("DTensor gradients")
     else:
         parts.append("plain optimizer")
     if info.step is not None:
-        parts.append(f"step {info.step}")
+        parts.append(f"{'iteration' if info.source == 'megatron-wgrads' else 'step'} {info.step}")
     if info.triggers:
         noun = "trigger" if len(info.triggers) == 1 else "triggers"
         parts.append(f"{noun}: {', '.join(info.triggers)}")
@@ -230,13 +233,20 @@ def print_inspect(console: Console, report: InspectReport) -> None:
     _header(console, report.snapshot)
     axes = _shown(", ".join(f"{axis}={size}" for axis, size in report.axes.items() if size > 1))
     total = sum(file.bytes for file in report.files)
+    made = (
+        "attributes rebuilt from Megatron's names and the files' shapes"
+        if report.snapshot.source == "megatron-wgrads"
+        else f"format version {report.format_version}"
+    )
     console.print(
-        f"format version {report.format_version}; axes: {axes or 'none split'}; "
+        f"{made}; axes: {axes or 'none split'}; "
         f"{_count(len(report.files), 'file')}, {_count(total, 'byte')}"
     )
     table = Table(title="parameters")
     table.add_column("parameter", no_wrap=True)
-    for column in ("dtype", "local shape", "ranks", "kind", "attributes"):
+    rebuilt = any(row.rule is not None for row in report.params)
+    columns = ("dtype", "local shape", "ranks", "kind", "attributes", *(("why", "from") * rebuilt))
+    for column in columns:
         table.add_column(column, justify="right" if column == "ranks" else "left")
     for row in report.params:
         notes = []
@@ -262,10 +272,26 @@ def print_inspect(console: Console, report: InspectReport) -> None:
             str(row.ranks),
             row.kind,
             _shown(", ".join(notes)),
+            *(
+                (_shown(row.rule or "-"), _shown(_sources(row.name, row.sources)))
+                if rebuilt
+                else ()
+            ),
         )
     _print_table(console, table)
     for note in report.notes:
         console.print(f"note: {_shown(note)}")
+
+
+def _sources(name: str, sources: tuple[str, ...]) -> str:
+    """The files a parameter was read from (the first, and how many more), and its local name
+    there where it is not ``name``."""
+    if not sources:
+        return "-"
+    file, _, local = sources[0].partition(":")
+    shown = file if len(sources) == 1 else f"{file} +{len(sources) - 1}"
+    local = local.partition("/")[2]
+    return shown if local == name else f"{shown} as {local}"
 
 
 def print_clip(console: Console, report: ClipReport) -> None:

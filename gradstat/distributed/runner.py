@@ -27,7 +27,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,11 @@ from gradstat.distributed.launcher import launch_rank, launched
 from gradstat.errors import GradstatError, StoppedTogether
 from gradstat.snapshot import RankFile, Snapshot, SnapshotShare
 from gradstat.snapshot.container import MAX_HEADER_BYTES
+from gradstat.snapshot.format import is_wgrads_name
 from gradstat.snapshot.reader import FileSummary, open_rank_files, rank_file_names
+
+if TYPE_CHECKING:
+    from gradstat.snapshot.wgrads import WgradsOptions
 
 T = TypeVar("T")
 
@@ -250,7 +254,9 @@ def together(processes: Processes, work: Callable[[], T]) -> T:
 
 
 def open_shared(
-    processes: Processes, directory: str | os.PathLike[str]
+    processes: Processes,
+    directory: str | os.PathLike[str],
+    options: WgradsOptions | None = None,
 ) -> Snapshot | SnapshotShare:
     """The snapshot in ``directory``, each process validating its share of the rank files.
 
@@ -258,15 +264,22 @@ def open_shared(
     of its share (rank files i, i+N, ... by name), the processes exchange every file's summary
     (its header without the parameter records), and each checks the whole from those as
     :meth:`Snapshot.open` does: each header is parsed once, by one process, instead of once
-    per process.
+    per process. A Megatron wgrads dump is opened whole by each process (``options`` apply to
+    it), which then reduces its share of the files.
 
     Raises:
         StoppedTogether: what is wrong with the snapshot (the first error, by process rank),
             on every process; quiet but on process 0.
     """
     if processes.size == 1:
-        return Snapshot.open(directory)
+        return Snapshot.open(directory, options)
     folder = Path(directory)
+    if together(processes, lambda: is_wgrads_name(rank_file_names(folder)[0])):
+        # A dump's attributes are rebuilt from every file's names and shapes: each process
+        # reads every file's pickle (no tensor) and reduces its share.
+        whole = together(processes, lambda: Snapshot.open(folder, options))
+        every = tuple(FileSummary.of(rank_file) for rank_file in whole.files)
+        return SnapshotShare(folder, tuple(processes.share(whole.files)), every)
     files: list[RankFile] = []
 
     def compute(beat: Callable[[int], None]) -> list[dict[str, Any]]:

@@ -130,6 +130,8 @@ def _step_number(step: int | torch.Tensor | None) -> int | None:
 
 _LAYER = re.compile(r"(^|\.)layers\.(\d+)$")
 _LOCAL_EXPERT = re.compile(r"(^|\.)local_experts\.(\d+)$")
+# Grouped-GEMM experts (TEGroupedMLP): one module per fc, expert K's weight is ``weightK``.
+_GROUPED_EXPERT = re.compile(r"(\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")
 
 
 def _global_prefixes(module: torch.nn.Module) -> dict[str, str]:
@@ -152,6 +154,21 @@ def _global_prefixes(module: torch.nn.Module) -> dict[str, str]:
                     renames[child_path] = _LOCAL_EXPERT.sub(
                         rf"\g<1>local_experts.{global_index}", child_path
                     )
+    return renames
+
+
+def _grouped_expert_names(module: torch.nn.Module) -> dict[str, str]:
+    """Grouped-GEMM experts' parameter names with the expert index made global: ``weightK`` of
+    an MoE layer whose ``local_expert_indices`` are [8, 9, ...] is ``weight{8 + K}``."""
+    renames = {}
+    for path, sub in module.named_modules():
+        indices = getattr(sub, "local_expert_indices", None)
+        if not isinstance(indices, Sequence):
+            continue
+        for name, _ in sub.named_parameters(prefix=path):
+            match = _GROUPED_EXPERT.search(name)
+            if match and int(match.group(2)) < len(indices):
+                renames[name] = f"{name[: match.start(2)]}{indices[int(match.group(2))]}"
     return renames
 
 
@@ -187,8 +204,9 @@ def named_gradients(
     """``(name, param)`` pairs with names that mean the same logical tensor on every rank.
 
     A module (or a list of Megatron model chunks) is walked with ``named_parameters``; layer and
-    expert indices are made global (see ``_global_prefixes``). Anything else is taken as
-    ``(name, param)`` pairs. Names lose the components wrappers add (:func:`logical_name`).
+    expert indices are made global (see ``_global_prefixes``, ``_grouped_expert_names``).
+    Anything else is taken as ``(name, param)`` pairs. Names lose the components wrappers add
+    (:func:`logical_name`).
     """
     items: list[Any] = [model] if isinstance(model, torch.nn.Module) else list(model)
     if not items or not all(isinstance(item, torch.nn.Module) for item in items):
@@ -196,9 +214,9 @@ def named_gradients(
     modules: list[torch.nn.Module] = items
     pairs = []
     for module in modules:
-        renames = _global_prefixes(module)
+        renames, grouped = _global_prefixes(module), _grouped_expert_names(module)
         pairs += [
-            (logical_name(_rename(name, renames)), param)
+            (logical_name(_rename(grouped.get(name, name), renames)), param)
             for name, param in module.named_parameters()
         ]
     return pairs

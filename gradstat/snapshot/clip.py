@@ -1,4 +1,5 @@
-"""Write a clipped copy of a snapshot: same format, dtypes and attributes, atomically."""
+"""Write a clipped copy of a snapshot: same format (gradstat rank files, or a Megatron wgrads
+dump), dtypes and attributes, atomically."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from pathlib import Path
 import torch
 
 from gradstat.errors import SnapshotError
-from gradstat.snapshot.container import write_container
 from gradstat.snapshot.reader import RankFile, Snapshot
 from gradstat.snapshot.writer import new_hidden_directory
 
@@ -100,7 +100,7 @@ def write_clipped(
         for rank_file in snapshot.files:
             target = staging / rank_file.path.name
             with open(target, "wb") as file:
-                write_container(file, rank_file.container.metadata, _scaled(rank_file, coefficient))
+                rank_file.write(file, _scaled(rank_file, coefficient))
                 file.flush()
                 os.fsync(file.fileno())
             if on_file is not None:

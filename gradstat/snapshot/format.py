@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -41,6 +42,14 @@ FORMAT_VERSION = 1
 METADATA_KEY = "gradstat"
 GRAD_ATTRS = ("grad", "main_grad", "decoupled_grad")
 FILE_PATTERN = "rank-{rank:05d}.safetensors"
+# A file of a Megatron wgrads dump (--save-wgrads-interval): TP rank, then PP and EP ranks
+# (either alone when the other's size is 1). See gradstat.snapshot.wgrads.
+WGRADS_FILE = re.compile(r"^mp_rank_(\d{2,})(?:_(\d{3,}))?(?:_(\d{3,}))?\.pth$")
+
+
+def is_wgrads_name(name: str) -> bool:
+    return WGRADS_FILE.match(name) is not None
+
 
 # safetensors dtype codes of the gradient dtypes a snapshot keeps as they are.
 DTYPES = {

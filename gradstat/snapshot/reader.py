@@ -8,18 +8,24 @@ import math
 import os
 import stat
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
 from gradstat.core.axes import AXES, DENSE_AXES, EXPERT_AXES, Axis
 from gradstat.core.groups import AxisPlace
 from gradstat.errors import SnapshotError
-from gradstat.snapshot.container import Container, KnownLayouts, mapped, read_container
+from gradstat.snapshot.container import (
+    Container,
+    KnownLayouts,
+    mapped,
+    read_container,
+    write_container,
+)
 from gradstat.snapshot.format import (
     METADATA_KEY,
     TORCH_SIZE_LIMIT,
@@ -27,8 +33,12 @@ from gradstat.snapshot.format import (
     ParamRecord,
     RankHeader,
     fits_torch,
+    is_wgrads_name,
     parse_header,
 )
+
+if TYPE_CHECKING:
+    from gradstat.snapshot.wgrads import WgradsOptions
 
 __all__ = [
     "FileSummary",
@@ -132,6 +142,11 @@ class RankFile:
         places = self._places
         return places["tp"], places["etp"], places["gtp"], places["egtp"]
 
+    def tensors(self) -> AbstractContextManager[Mapping[str, torch.Tensor]]:
+        """The file's gradients by parameter name, read-only views of its map (see
+        :func:`mapped`), valid inside the ``with`` block only."""
+        return mapped(self.container)
+
     @contextmanager
     def params(self) -> Iterator[list[RebuiltParam]]:
         """Map the file and rebuild its parameters; valid inside the ``with`` block only.
@@ -139,8 +154,17 @@ class RankFile:
         A gradient is looked up in the map each time ``.grad`` is read, so that a file
         truncated meanwhile is found before the gradient's pages are touched.
         """
-        with mapped(self.container) as tensors:
+        with self.tensors() as tensors:
             yield [RebuiltParam(record, mapped=tensors) for record in self.header.params]
+
+    def write(self, file: IO[bytes], tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Write a file of this one's kind and header holding ``tensors`` (by record name)."""
+        write_container(file, self.container.metadata, tensors)
+
+    def source(self, name: str) -> Any:
+        """Where parameter ``name`` came from and what decided its attributes, for a file
+        whose attributes were rebuilt (a Megatron wgrads file); None here: recorded."""
+        return None
 
 
 @dataclass(frozen=True)
@@ -234,14 +258,26 @@ class Snapshot(_Described):
         return self.files[0].header
 
     @classmethod
-    def open(cls, directory: str | os.PathLike[str]) -> Snapshot:
+    def open(
+        cls, directory: str | os.PathLike[str], options: WgradsOptions | None = None
+    ) -> Snapshot:
         """Read and validate every rank file's header; no gradient is read.
+
+        ``directory`` holds gradstat's rank files, or a Megatron wgrads dump (``mp_rank_*.pth``,
+        read by :mod:`gradstat.snapshot.wgrads` with ``options``).
 
         Raises:
             SnapshotError: naming the directory or file and what is wrong.
         """
         folder = Path(directory)
-        files = list(open_rank_files(folder, rank_file_names(folder)))
+        names = rank_file_names(folder)
+        files: list[RankFile]
+        if is_wgrads_name(names[0]):
+            from gradstat.snapshot.wgrads import open_wgrads
+
+            files = list(open_wgrads(folder, names, options))
+        else:
+            files = list(open_rank_files(folder, names))
         _check_whole(folder, files)
         return cls(folder, tuple(sorted(files, key=lambda file: file.rank)))
 
@@ -277,10 +313,12 @@ class SnapshotShare(_Described):
 
 
 def rank_file_names(folder: Path) -> list[str]:
-    """The names of the rank files in ``folder``, sorted.
+    """The names of the rank files in ``folder``, sorted: gradstat's ``*.safetensors``, or the
+    ``mp_rank_*.pth`` files of a Megatron wgrads dump.
 
     Raises:
-        SnapshotError: ``folder`` is not a readable directory, or holds no rank file.
+        SnapshotError: ``folder`` is not a readable directory, holds no rank file, or both
+            kinds.
     """
     try:
         mode = folder.stat().st_mode
@@ -288,10 +326,30 @@ def rank_file_names(folder: Path) -> list[str]:
         raise SnapshotError(f"{folder}: {_stat_problem(error, 'directory')}") from error
     if not stat.S_ISDIR(mode):
         raise SnapshotError(f"{folder}: not a directory")
-    names = sorted(name for name in os.listdir(folder) if name.endswith(".safetensors"))
-    if not names:
-        raise SnapshotError(f"{folder}: no rank files (*.safetensors) in the directory")
-    return names
+    listed = os.listdir(folder)
+    names = sorted(name for name in listed if name.endswith(".safetensors"))
+    dumped = sorted(name for name in listed if is_wgrads_name(name))
+    if names and dumped:
+        raise SnapshotError(
+            f"{folder}: holds both gradstat rank files ({names[0]}) and a Megatron wgrads dump "
+            f"({dumped[0]}); keep each in a directory of its own"
+        )
+    if not names and not dumped:
+        raise SnapshotError(
+            f"{folder}: no rank files (*.safetensors) in the directory, nor a Megatron wgrads "
+            "dump (mp_rank_*.pth)"
+        )
+    return names or dumped
+
+
+def holds_rank_files(folder: Path) -> bool:
+    """Whether ``folder`` holds rank files of either kind (no error when it cannot be read)."""
+    try:
+        return any(
+            name.endswith(".safetensors") or is_wgrads_name(name) for name in os.listdir(folder)
+        )
+    except OSError:
+        return False
 
 
 def _stat_problem(error: OSError, kind: str) -> str:
