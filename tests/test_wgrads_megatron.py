@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,7 @@ from typer.testing import CliRunner
 
 from gradstat.cli.app import app
 from gradstat.testing import Case, launch
+from tests._cli import run_gradstat
 from tests._oracle import float64_norm, rel_err, zeros_in
 from tests._wgrads_jobs import (
     EMBEDDING,
@@ -136,7 +138,8 @@ def _writers(ran: Ran) -> Iterator[dict[str, Any]]:
 
 def _from_files(ran: Ran) -> dict[str, list[tuple[str, Tensor]]]:
     """Every copy of every logical tensor in the files, read with torch.load alone: {global
-    name: [(file, the tensor whole, TP shards joined along the split Megatron gave)]}."""
+    name: [(which copy, the tensor whole)]}, TP shards joined along Megatron's own
+    partition_dim, a replicated tensor once per TP file and dense tensors once per EP file."""
     shards: dict[tuple[str, int], dict[int, Tensor]] = {}
     for result in _writers(ran):
         saved = torch.load(ran.wgrads / result["file"], weights_only=True)
@@ -213,3 +216,142 @@ def test_megatron_jobs_write_the_wgrads_layout(name: str, jobs: dict[str, Ran]) 
         for p in NORM_TYPES:
             assert rel_err(megatron["norms"][p], expected_norms[p]) <= MEGATRON_FP32, (name, p)
         assert megatron["zeros"] == expected_zeros, name
+
+
+# --- the CLI on the dump ------------------------------------------------------------------------
+
+
+def _close(value: float, expected: float, bound: float) -> bool:
+    """Relative error at most ``bound``; a zero expected value must be met exactly."""
+    return value == expected if expected == 0 else rel_err(value, expected) <= bound
+
+
+@pytest.mark.parametrize("name", BY_NAME)
+def test_norm_and_zeros_of_the_dump_are_float64s_and_megatrons(
+    name: str, jobs: dict[str, Ran]
+) -> None:
+    ran = jobs[name]
+    megatron = ran.ranks[0]["megatron"]
+    for p, option in zip(NORM_TYPES, ("2", "1", "inf"), strict=True):
+        code, norm = _cli("norm", ran.wgrads, "-p", option)
+        assert code == 0 and norm["snapshot"]["source"] == "megatron-wgrads", (name, norm)
+        expected = float64_norm(ran.truth.values(), p)
+        assert rel_err(norm["total_norm"], expected) <= 1e-12, (name, p)
+        assert rel_err(norm["total_norm"], megatron["norms"][p]) <= MEGATRON_FP32, (name, p)
+        # Each logical tensor once, under its global name.
+        per_param = {entry["name"]: entry["norm"] for entry in norm["params"]}
+        assert sorted(per_param) == sorted(ran.truth), name
+        for tensor, grad in ran.truth.items():
+            expected = float64_norm([grad], p)
+            assert _close(per_param[tensor], expected, 1e-12), (name, p, tensor)
+
+    code, zeros = _cli("zeros", ran.wgrads)
+    assert code == 0, (name, zeros)
+    assert zeros["num_zeros"] == zeros_in(ran.truth.values()) == megatron["zeros"], name
+    assert zeros["num_elements"] == sum(grad.numel() for grad in ran.truth.values()), name
+
+
+# A fresh process costs seconds: two layouts, the tied pipeline and the TP x EP grid.
+@pytest.mark.parametrize("name", ["tp2-pp2-tied", "tp2-ep2-etp2"])
+def test_the_installed_cli_reads_the_dump_as_the_library_does(
+    name: str, jobs: dict[str, Ran]
+) -> None:
+    ran = jobs[name]
+    result = run_gradstat("norm", ran.wgrads, "--json")
+    assert result.returncode == 0 and result.stderr == "", (name, result.stderr)
+    _, in_process = _cli("norm", ran.wgrads)
+    assert json.loads(result.stdout) == in_process, name
+
+
+def _planted(ran: Ran, label: str, local: str, pick: str) -> tuple[Path, str]:
+    """A copy of the dump with one element of ``local`` (chunk 0) changed in the file of the
+    first writer whose coordinate ``pick`` is 1; returns the copy and the tensor's global name."""
+    copy = ran.scratch / label
+    shutil.copytree(ran.wgrads, copy)
+    writer = next(result for result in _writers(ran) if result["coords"][pick] == 1)
+    path = copy / writer["file"]
+    saved = torch.load(path, weights_only=True)
+    saved["model_chunk0"][local].view(-1)[5] += 0.5
+    torch.save(saved, path)
+    return copy, writer["names"]["model_chunk0"][local]
+
+
+@pytest.mark.parametrize("name", BY_NAME)
+def test_audit_passes_the_dump_and_finds_planted_disagreements(
+    name: str, jobs: dict[str, Ran]
+) -> None:
+    ran = jobs[name]
+    code, audit = _cli("audit", ran.wgrads)
+    assert code == 0 and audit["findings"] == [], (name, audit)
+    plants = []
+    if ran.job.tp > 1:  # a replicated layernorm that differs over TP (NVIDIA/Megatron-LM#1446)
+        plants.append(_planted(ran, "tp-layernorm", LAYERNORM, "tp"))
+    if ran.job.ep > 1:  # a dense tensor whose copies in the EP files differ
+        plants.append(_planted(ran, "ep-dense", DENSE_IN_EP_FILES, "ep"))
+    for copy, tensor in plants:
+        code, audit = _cli("audit", copy)
+        assert code == 1 and audit["findings"], (name, copy.name, audit)
+        # In TP x EP, a TP file's layernorm also differs from its copy in the other EP file:
+        # more than one finding, all naming the tensor changed.
+        named = {finding["name"] for finding in audit["findings"]}
+        assert named == {tensor}, (name, copy.name, audit["findings"])
+        if copy.name == "tp-layernorm":
+            kinds = {finding["kind"] for finding in audit["findings"]}
+            assert "tp_replicas_differ" in kinds, (name, audit["findings"])
+
+
+@pytest.mark.parametrize("name", BY_NAME)
+def test_inspect_names_every_tensor_globally_with_megatrons_split(
+    name: str, jobs: dict[str, Ran]
+) -> None:
+    ran = jobs[name]
+    code, inspect = _cli("inspect", ran.wgrads)
+    assert code == 0, (name, inspect)
+    listed = {entry["name"]: entry for entry in inspect["params"]}
+    # The tied output copy is listed with the embedding's split, as a copy that is not counted
+    # again; every other name is a logical tensor of the truth.
+    assert set(listed) - {OUTPUT_COPY} == set(ran.truth), name
+    sources: dict[str, set[str]] = {}
+    for result in _writers(ran):
+        for chunk, names in result["names"].items():
+            for local, tensor in names.items():
+                sources.setdefault(tensor, set()).add(f"{result['file']}:{chunk}/{local}")
+    for tensor, entry in listed.items():
+        split = ran.tensors[tensor].split_dim  # Megatron's own partition_dim, or None
+        assert entry["tensor_parallel"] is (split is not None), (name, tensor)
+        assert entry["partition_dim"] == (-1 if split is None else split), (name, tensor)
+        assert entry["expert"] is ran.tensors[tensor].expert, (name, tensor)
+        # The tied copy is found (its gradient equals the embedding's) and not counted again.
+        assert entry["shared"] is (tensor == OUTPUT_COPY), (name, tensor)
+        if "rule" in entry:
+            assert entry["rule"], (name, tensor)
+        if "sources" in entry:
+            assert set(entry["sources"]) == sources[tensor], (name, tensor)
+
+
+@pytest.mark.parametrize("name", BY_NAME)
+def test_compare_with_gradstats_own_snapshot_of_the_job(name: str, jobs: dict[str, Ran]) -> None:
+    ran = jobs[name]
+    code, compare = _cli("compare", ran.wgrads, ran.snapshot)
+    assert code == 0, (name, compare)
+    assert not any(total["flagged"] for total in compare["totals"]), (name, compare["totals"])
+    assert sorted(entry["name"] for entry in compare["params"]) == sorted(ran.truth), name
+    # The same fp32 values on both sides, whatever the files' layout.
+    for entry in compare["params"]:
+        assert entry["max_abs_diff"] == 0 and entry["flags"] == [], (name, entry)
+
+
+def test_compare_across_jobs_by_logical_names(jobs: dict[str, Ran]) -> None:
+    # The virtual and the uneven pipeline place the same logical tensors (same DP, same
+    # known gradients) on other stages and chunks: by global names they are the same dump.
+    vpp, uneven = jobs["pp2-vpp2-dp2"], jobs["pp2-uneven-dp2"]
+    code, same = _cli("compare", vpp.wgrads, uneven.snapshot)
+    assert code == 0 and all(entry["max_abs_diff"] == 0 for entry in same["params"]), same
+    # TP2 on DP2 and TP2 x PP2 on DP1 average other replicas: the tensors whose truths differ
+    # are flagged (the all-zero bias is the same in both).
+    tp, tied = jobs["tp2-dp2"], jobs["tp2-pp2-tied"]
+    code, other = _cli("compare", tp.wgrads, tied.snapshot)
+    assert code == 1, other
+    flagged = {entry["name"] for entry in other["params"] if "values" in entry["flags"]}
+    differ = {name for name, grad in tp.truth.items() if not torch.equal(grad, tied.truth[name])}
+    assert flagged == differ and len(differ) == len(tp.truth) - 1, flagged ^ differ
