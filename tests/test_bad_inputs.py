@@ -491,8 +491,8 @@ def cut():
 if moment == "validated":
     validate = Snapshot.open.__func__
 
-    def validate_then_cut(cls, directory):
-        snapshot = validate(cls, directory)
+    def validate_then_cut(cls, directory, *options):
+        snapshot = validate(cls, directory, *options)
         if Path(directory) == Path(victim).parent:
             cut()
         return snapshot

@@ -248,10 +248,10 @@ def test_clip_refuses_unsafe_outputs(snapshot_dir: Path, tmp_path: Path, where: 
 def test_interrupted_clip_leaves_no_output(
     snapshot_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import gradstat.snapshot.clip as clip_module
+    import gradstat.snapshot.reader as reader_module
 
     calls = []
-    real = clip_module.write_container
+    real = reader_module.write_container
 
     def fail_on_third(*args: Any) -> None:
         calls.append(1)
@@ -259,7 +259,7 @@ def test_interrupted_clip_leaves_no_output(
             raise OSError(28, "No space left on device")
         real(*args)
 
-    monkeypatch.setattr(clip_module, "write_container", fail_on_third)
+    monkeypatch.setattr(reader_module, "write_container", fail_on_third)
     out = tmp_path / "out"
     result = CliRunner().invoke(
         app, ["clip", str(snapshot_dir), "--max-norm", "0.1", "--out", str(out)]

@@ -513,8 +513,11 @@ def test_the_synopsis_gives_every_commands_options() -> None:
     sentence = re.search(r"\n\n(`\w+`[^.]*?also take `--device.*?)\.", text, re.S)
     assert sentence, "docs/cli.md names the commands that take --device and --timeout"
     with_device = set(re.findall(r"`(\w+)`", sentence.group(1).split("also take")[0]))
+    dumps = re.search(r"every command also takes (.*?), which say", text, re.S)
+    assert dumps, "docs/cli.md names the options of Megatron wgrads dumps"
+    wgrads = set(re.findall(r"(--[a-z][a-z-]+)", dumps.group(1)))
     for command, line in synopsis:
-        options = set(re.findall(r"(--[a-z][a-z-]+)", line)) | {"--status-file"}
+        options = set(re.findall(r"(--[a-z][a-z-]+)", line)) | {"--status-file"} | wgrads
         if command in with_device:
             options |= {"--device", "--timeout"}
         assert options == _help_options(command), command
