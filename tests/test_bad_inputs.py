@@ -4,7 +4,8 @@ Every case ends in one line on stderr naming the file, rank or tensor and what i
 status 2, no traceback, and an input left exactly as it was. Hostile files are among them:
 headers nested past Python's recursion limit, shapes past torch's 64-bit sizes, symlink loops,
 a world size of 10^9 in a few kilobytes, 60,000 keys with one twice, and files truncated while
-a run reads them.
+a run reads them. Megatron wgrads dumps have their own: a pickle that would run code (it must
+not run), a list among the tensors, a truncated file, a missing TP file, a name no rule knows.
 """
 
 from __future__ import annotations
@@ -594,3 +595,90 @@ def test_coordinates_that_describe_more_places_than_ranks(tmp_path: Path) -> Non
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "describe 8 places" in lines[0] and "has 4 ranks" in lines[0]
     assert {path.name: path.read_bytes() for path in snapshot.iterdir()} == before
+
+
+# --- Megatron wgrads dumps ----------------------------------------------------------------------
+
+WGRADS_VICTIM = "mp_rank_01_000.pth"
+
+
+class _RunsCode:
+    """What a hostile pickle holds: unpickling it would run a shell command."""
+
+    def __init__(self, sentinel: Path) -> None:
+        self.sentinel = sentinel
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.sentinel}",))
+
+
+def _wgrads_replace(content: Callable[[Path], Any]) -> Callable[[Path], None]:
+    def make(dump: Path) -> None:
+        import torch
+
+        torch.save(content(dump), dump / WGRADS_VICTIM)
+
+    return make
+
+
+def _wgrads_every_file(change: Callable[[dict[str, Any]], None]) -> Callable[[Path], None]:
+    def make(dump: Path) -> None:
+        import torch
+
+        for path in dump.iterdir():
+            chunks = torch.load(path)
+            change(chunks["model_chunk0"])
+            torch.save(chunks, path)
+
+    return make
+
+
+def _wgrads_cut(dump: Path) -> None:
+    path = dump / WGRADS_VICTIM
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+WGRADS_CASES: dict[str, tuple[Callable[[Path], None], str]] = {
+    "a pickle that would run code": (
+        _wgrads_replace(lambda dump: {"model_chunk0": {"w": _RunsCode(dump.parent / "ran")}}),
+        "not nested dicts of tensors",
+    ),
+    "a list among the tensors": (
+        _wgrads_replace(lambda _: {"model_chunk0": {"w": [1.0, 2.0]}}),
+        "model_chunk0/w",
+    ),
+    "truncated": (_wgrads_cut, WGRADS_VICTIM),
+    "a TP file missing": (lambda dump: (dump / WGRADS_VICTIM).unlink(), "no file for TP rank 1"),
+    "an unknown name": (
+        _wgrads_every_file(
+            lambda chunk: chunk.update(
+                {"decoder.layers.0.adapter.w": chunk.pop("decoder.final_layernorm.weight")}
+            )
+        ),
+        "matches no Megatron naming rule",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WGRADS_CASES))
+@pytest.mark.parametrize("command", ["norm", "zeros", "audit", "compare", "inspect"])
+def test_bad_wgrads_dump(case: str, command: str, tmp_path: Path) -> None:
+    from tests._wgrads import Layout, Model
+
+    model = Model.make(Layout(tp=2, ep=2, experts=4))
+    good, dump = tmp_path / "good" / "iter_0000010", tmp_path / "bad" / "iter_0000010"
+    model.write(good)
+    model.write(dump)
+    make, message = WGRADS_CASES[case]
+    make(dump)
+    before = _state(dump)
+    inputs = [str(good), str(dump)] if command == "compare" else [str(dump)]
+    result = CliRunner().invoke(app, [command, *inputs])
+    assert result.exit_code == 2, (result.stdout, result.stderr)
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("gradstat: error: ") and str(dump) in lines[0]
+    assert message in lines[0], lines[0]
+    assert _state(dump) == before
+    assert not (tmp_path / "bad" / "ran").exists()
