@@ -39,11 +39,11 @@ def large_snapshot(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # racing a poll against the writer.
 STALLED_CLIP = """
 import os, sys, time
-import gradstat.snapshot.clip as clip
+import gradstat.snapshot.reader as reader
 from gradstat.cli import main
 
 signal_fd, files = int(sys.argv.pop(1)), []
-real_write_container = clip.write_container
+real_write_container = reader.write_container
 
 class Stalling:
     def __init__(self, file):
@@ -63,7 +63,7 @@ def write_container(file, metadata, tensors):
     files.append(file)
     real_write_container(Stalling(file), metadata, tensors)
 
-clip.write_container = write_container
+reader.write_container = write_container
 sys.argv[0] = "gradstat"
 main()
 """
