@@ -170,6 +170,27 @@ def test_layer_and_expert_indices_become_global() -> None:
     ]
 
 
+def test_grouped_gemm_experts_get_global_indices() -> None:
+    """TEGroupedMLP holds an fc's experts as weight0..weightK of one module; the MoE layer lists
+    their global indices (EP rank 1 of 2, 2 experts each): as a Megatron wgrads dump names them
+    once made global, so that compare pairs the two."""
+    stage = torch.nn.Module()
+    stage.decoder = torch.nn.Module()
+    layer = _Layer(1, [])
+    layer.mlp = torch.nn.Module()
+    layer.mlp.local_expert_indices = [2, 3]
+    layer.mlp.experts = torch.nn.Module()
+    layer.mlp.experts.linear_fc1 = torch.nn.Module()
+    for index in range(2):
+        setattr(layer.mlp.experts.linear_fc1, f"weight{index}", torch.nn.Parameter(torch.ones(1)))
+    stage.decoder.layers = torch.nn.ModuleList([layer])
+    names = [name for name, _ in named_gradients(stage)]
+    assert names[-2:] == [
+        "decoder.layers.0.mlp.experts.linear_fc1.weight2",
+        "decoder.layers.0.mlp.experts.linear_fc1.weight3",
+    ]
+
+
 def _full_tensors() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(4)
     weight = torch.randn(7, 5, generator=gen)
