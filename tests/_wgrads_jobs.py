@@ -62,6 +62,8 @@ class WgradsJob:
             grid of file names; with ETP = TP every TP x EP file exists.
         first_layers, last_layers: TransformerConfig's num_layers_in_first_pipeline_stage and
             num_layers_in_last_pipeline_stage (an uneven pipeline), None for even.
+        distributed_optimizer: Megatron's distributed optimizer (the dump's iteration forces an
+            all-reduce, so every rank's main_grad is whole all the same).
     """
 
     name: str
@@ -73,6 +75,7 @@ class WgradsJob:
     etp: int = 1
     first_layers: int | None = None
     last_layers: int | None = None
+    distributed_optimizer: bool = False
 
     @property
     def moe(self) -> bool:
@@ -240,9 +243,14 @@ def _build(job: WgradsJob) -> tuple[list[Any], Any]:
                 vp_stage=vp_stage,
             )
         )
-    ddp_config = DistributedDataParallelConfig(bucket_size=BUCKET_SIZE)
+    distributed = job.distributed_optimizer
+    ddp_config = DistributedDataParallelConfig(
+        bucket_size=BUCKET_SIZE, use_distributed_optimizer=distributed
+    )
     model = [DistributedDataParallel(config, ddp_config, chunk) for chunk in chunks]
-    optimizer_config = OptimizerConfig(optimizer="adam", lr=1e-3, log_num_zeros_in_grad=True)
+    optimizer_config = OptimizerConfig(
+        optimizer="adam", lr=1e-3, log_num_zeros_in_grad=True, use_distributed_optimizer=distributed
+    )
     optimizer = get_megatron_optimizer(optimizer_config, model, use_gloo_process_groups=False)
     return model, optimizer
 

@@ -76,6 +76,8 @@ WGRADS_JOBS = (
     WgradsJob("ep2-dp4", ep=2, etp=1),
     WgradsJob("tp2-ep2", tp=2, ep=2, etp=2),
     WgradsJob("tp2-ep2-etp1", tp=2, ep=2, etp=1),
+    WgradsJob("tp2-dp2-distopt", tp=2, etp=2, distributed_optimizer=True),
+    WgradsJob("ep2-dp4-distopt", ep=2, etp=1, distributed_optimizer=True),
     WgradsJob("pp2-vpp2-dp2", pp=2, vpp=2, etp=1),
     WgradsJob("pp2-uneven-dp2", pp=2, first_layers=1, last_layers=3, etp=1),
 )
