@@ -142,16 +142,15 @@ def _header(console: Console, info: SnapshotInfo) -> None:
     A snapshot of DTensor gradients says nothing of an optimizer unless its header says
     "distributed": their placements decide what counts, whatever the job's optimizer.
     """
-    parts = [_count(info.world_size, "rank")]
     if info.source == "megatron-wgrads":
         # No optimizer is saved: the dump is the all-reduced main_grad of each writer.
         parts = [f"Megatron wgrads dump, {_count(info.world_size, 'file')}"]
     elif info.distributed_optimizer:
-        parts.append("distributed optimizer")
+        parts = [_count(info.world_size, "rank"), "distributed optimizer"]
     elif info.dtensor:
-        parts.append("DTensor gradients")
+        parts = [_count(info.world_size, "rank"), "DTensor gradients"]
     else:
-        parts.append("plain optimizer")
+        parts = [_count(info.world_size, "rank"), "plain optimizer"]
     if info.step is not None:
         parts.append(f"{'iteration' if info.source == 'megatron-wgrads' else 'step'} {info.step}")
     if info.triggers:
@@ -233,9 +232,10 @@ def print_inspect(console: Console, report: InspectReport) -> None:
     _header(console, report.snapshot)
     axes = _shown(", ".join(f"{axis}={size}" for axis, size in report.axes.items() if size > 1))
     total = sum(file.bytes for file in report.files)
+    rebuilt = report.snapshot.source == "megatron-wgrads"
     made = (
         "attributes rebuilt from Megatron's names and the files' shapes"
-        if report.snapshot.source == "megatron-wgrads"
+        if rebuilt
         else f"format version {report.format_version}"
     )
     console.print(
@@ -244,7 +244,6 @@ def print_inspect(console: Console, report: InspectReport) -> None:
     )
     table = Table(title="parameters")
     table.add_column("parameter", no_wrap=True)
-    rebuilt = any(row.rule is not None for row in report.params)
     columns = ("dtype", "local shape", "ranks", "kind", "attributes", *(("why", "from") * rebuilt))
     for column in columns:
         table.add_column(column, justify="right" if column == "ranks" else "left")

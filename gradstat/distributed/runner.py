@@ -274,10 +274,10 @@ def open_shared(
     if processes.size == 1:
         return Snapshot.open(directory, options)
     folder = Path(directory)
-    if together(processes, lambda: is_wgrads_name(rank_file_names(folder)[0])):
-        # A dump's attributes are rebuilt from every file's names and shapes: each process
-        # reads every file's pickle (no tensor) and reduces its share.
-        whole = together(processes, lambda: Snapshot.open(folder, options))
+    # A dump's attributes are rebuilt from every file's names and shapes: each process reads
+    # every file's pickle (no tensor) and reduces its share.
+    whole = together(processes, lambda: _whole_dump(folder, options))
+    if whole is not None:
         every = tuple(FileSummary.of(rank_file) for rank_file in whole.files)
         return SnapshotShare(folder, tuple(processes.share(whole.files)), every)
     files: list[RankFile] = []
@@ -291,6 +291,13 @@ def open_shared(
     shares = gather(processes, compute)
     summaries = [FileSummary.from_json(folder, data) for share in shares for data in share]
     return together(processes, lambda: SnapshotShare.assemble(folder, files, summaries))
+
+
+def _whole_dump(folder: Path, options: WgradsOptions | None) -> Snapshot | None:
+    """The Megatron wgrads dump in ``folder``, opened whole; None for gradstat's rank files."""
+    if is_wgrads_name(rank_file_names(folder)[0]):
+        return Snapshot.open(folder, options)
+    return None
 
 
 def _stop_together(processes: Processes, message: str) -> NoReturn:

@@ -134,13 +134,16 @@ _LOCAL_EXPERT = re.compile(r"(^|\.)local_experts\.(\d+)$")
 _GROUPED_EXPERT = re.compile(r"(\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")
 
 
-def _global_prefixes(module: torch.nn.Module) -> dict[str, str]:
-    """Module paths renamed to global indices, so that names agree across pipeline stages.
+def _global_prefixes(module: torch.nn.Module) -> tuple[dict[str, str], dict[str, str]]:
+    """Module paths, and parameter names, renamed to global indices, so that names agree
+    across pipeline stages and expert-parallel ranks.
 
     Megatron numbers a stage's layers from 0; each layer knows its global ``layer_number``
-    (1-based). Expert modules list their global ``local_expert_indices``.
+    (1-based). Expert modules list their global ``local_expert_indices``: SequentialMLP's
+    ``local_experts.K`` modules are renamed, and a grouped GEMM's ``weightK`` parameters (one
+    module per fc, TEGroupedMLP) get ``weight{indices[K]}``.
     """
-    renames = {}
+    renames, grouped = {}, {}
     for path, sub in module.named_modules():
         layer_number = getattr(sub, "layer_number", None)
         if isinstance(layer_number, int) and _LAYER.search(path):
@@ -154,22 +157,11 @@ def _global_prefixes(module: torch.nn.Module) -> dict[str, str]:
                     renames[child_path] = _LOCAL_EXPERT.sub(
                         rf"\g<1>local_experts.{global_index}", child_path
                     )
-    return renames
-
-
-def _grouped_expert_names(module: torch.nn.Module) -> dict[str, str]:
-    """Grouped-GEMM experts' parameter names with the expert index made global: ``weightK`` of
-    an MoE layer whose ``local_expert_indices`` are [8, 9, ...] is ``weight{8 + K}``."""
-    renames = {}
-    for path, sub in module.named_modules():
-        indices = getattr(sub, "local_expert_indices", None)
-        if not isinstance(indices, Sequence):
-            continue
-        for name, _ in sub.named_parameters(prefix=path):
-            match = _GROUPED_EXPERT.search(name)
-            if match and int(match.group(2)) < len(indices):
-                renames[name] = f"{name[: match.start(2)]}{indices[int(match.group(2))]}"
-    return renames
+            for name, _ in sub.named_parameters(prefix=path):
+                match = _GROUPED_EXPERT.search(name)
+                if match and int(match.group(2)) < len(indices):
+                    grouped[name] = f"{name[: match.start(2)]}{indices[int(match.group(2))]}"
+    return renames, grouped
 
 
 def _rename(name: str, renames: Mapping[str, str]) -> str:
@@ -204,7 +196,7 @@ def named_gradients(
     """``(name, param)`` pairs with names that mean the same logical tensor on every rank.
 
     A module (or a list of Megatron model chunks) is walked with ``named_parameters``; layer and
-    expert indices are made global (see ``_global_prefixes``, ``_grouped_expert_names``).
+    expert indices are made global (see ``_global_prefixes``).
     Anything else is taken as ``(name, param)`` pairs. Names lose the components wrappers add
     (:func:`logical_name`).
     """
@@ -214,7 +206,7 @@ def named_gradients(
     modules: list[torch.nn.Module] = items
     pairs = []
     for module in modules:
-        renames, grouped = _global_prefixes(module), _grouped_expert_names(module)
+        renames, grouped = _global_prefixes(module)
         pairs += [
             (logical_name(_rename(grouped.get(name, name), renames)), param)
             for name, param in module.named_parameters()

@@ -26,6 +26,7 @@ each record to 64 bytes, and adds zip64 sizes past 4 GiB) differs from the centr
 from __future__ import annotations
 
 import io
+import math
 import os
 import pickle
 import reprlib
@@ -277,9 +278,7 @@ def _slot(path: Path, name: str, tensor: _Tensor, storages: _Storages) -> Tensor
         )
     start = storages.start(name, storage)
     itemsize = DTYPES[storage.dtype][0].itemsize
-    count = 1
-    for length in size:
-        count *= length
+    count = math.prod(size)
     if offset + count > storage.numel:
         raise SnapshotError(
             f"{path}: tensor {name!r} ends at element {offset + count} of a storage of "

@@ -38,7 +38,7 @@ from gradstat.snapshot.format import (
 )
 
 if TYPE_CHECKING:
-    from gradstat.snapshot.wgrads import WgradsOptions
+    from gradstat.snapshot.wgrads import Source, WgradsOptions
 
 __all__ = [
     "FileSummary",
@@ -161,7 +161,7 @@ class RankFile:
         """Write a file of this one's kind and header holding ``tensors`` (by record name)."""
         write_container(file, self.container.metadata, tensors)
 
-    def source(self, name: str) -> Any:
+    def source(self, name: str) -> Source | None:
         """Where parameter ``name`` came from and what decided its attributes, for a file
         whose attributes were rebuilt (a Megatron wgrads file); None here: recorded."""
         return None

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-import os
 import re
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -48,7 +47,7 @@ import torch
 from gradstat.core.axes import AXES
 from gradstat.errors import ArgumentError, DumpWarning, SnapshotError
 from gradstat.snapshot.container import mapped
-from gradstat.snapshot.format import WGRADS_FILE, ParamRecord, RankHeader, is_wgrads_name
+from gradstat.snapshot.format import WGRADS_FILE, ParamRecord, RankHeader
 from gradstat.snapshot.pth import PthFile, read_pth
 from gradstat.snapshot.reader import RankFile
 
@@ -57,7 +56,6 @@ __all__ = [
     "WgradsFile",
     "WgradsOptions",
     "open_wgrads",
-    "wgrads_file_names",
 ]
 
 _CHUNK = re.compile(r"^model_chunk(\d+)$")
@@ -178,11 +176,6 @@ class WgradsOptions:
         return None
 
 
-def wgrads_file_names(folder: Path) -> list[str]:
-    """The ``mp_rank_*.pth`` names in ``folder``, sorted."""
-    return sorted(name for name in os.listdir(folder) if is_wgrads_name(name))
-
-
 @dataclass(frozen=True)
 class Source:
     """Where one parameter of a wgrads file came from, and what decided its attributes."""
@@ -190,22 +183,23 @@ class Source:
     chunk: str
     local_name: str
     rule: str
+    slot: str  # its tensor's slot in the file's container
 
 
 class _Renamed(Mapping[str, torch.Tensor]):
     """A file's mapped tensors by the global names of its records."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], slots: Mapping[str, str]) -> None:
-        self._tensors, self._slots = tensors, slots
+    def __init__(self, tensors: Mapping[str, torch.Tensor], sources: Mapping[str, Source]) -> None:
+        self._tensors, self._sources = tensors, sources
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self._tensors[self._slots[name]]
+        return self._tensors[self._sources[name].slot]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._slots)
+        return iter(self._sources)
 
     def __len__(self) -> int:
-        return len(self._slots)
+        return len(self._sources)
 
 
 @dataclass(frozen=True)
@@ -213,13 +207,12 @@ class WgradsFile(RankFile):
     """One ``mp_rank_*.pth`` file as a rank file: records under global names with the
     attributes rebuilt, each mapped to its tensor in the file."""
 
-    slots: dict[str, str] = field(default_factory=dict)  # global name: slot in the file
-    sources: dict[str, Source] = field(default_factory=dict)
+    sources: dict[str, Source] = field(default_factory=dict)  # by global name
 
     @contextmanager
     def tensors(self) -> Iterator[Mapping[str, torch.Tensor]]:
         with mapped(self.container) as found:
-            yield _Renamed(found, self.slots)
+            yield _Renamed(found, self.sources)
 
     def write(self, file: IO[bytes], tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Write ``tensors`` (by global name) in the dump's own layout, as Megatron does."""
@@ -532,7 +525,6 @@ def open_wgrads(
                 "etp": (dump.writer % etp, etp),
             }
             records: list[ParamRecord] = []
-            slots: dict[str, str] = {}
             sources: dict[str, Source] = {}
             for chunk in sorted(dump.chunks):
                 local = dump.chunks[chunk]
@@ -540,7 +532,7 @@ def open_wgrads(
                 virtual = (stage, chunk)
                 for name, slot in local.items():
                     global_name = _global_name(name, offsets[virtual], dump.ep, per_rank)
-                    if global_name in slots:
+                    if global_name in sources:
                         raise SnapshotError(
                             f"{dump.path}: {name!r} of model_chunk{chunk} is {global_name!r}, "
                             f"as is {sources[global_name].local_name!r} of "
@@ -560,8 +552,7 @@ def open_wgrads(
                             attrs=attrs,
                         )
                     )
-                    slots[global_name] = slot
-                    sources[global_name] = Source(f"model_chunk{chunk}", name, rule)
+                    sources[global_name] = Source(f"model_chunk{chunk}", name, rule, slot)
             header = RankHeader(
                 rank=len(opened),
                 world_size=world_size,
@@ -571,7 +562,7 @@ def open_wgrads(
                 grad_attr="main_grad",
                 params=tuple(records),
             )
-            opened.append(WgradsFile(header, dump.pth.container, slots, sources))
+            opened.append(WgradsFile(header, dump.pth.container, sources))
     return opened
 
 
