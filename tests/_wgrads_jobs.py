@@ -28,6 +28,8 @@ import math
 import re
 import warnings
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -357,6 +359,25 @@ def _megatron_statistics(optimizer: Any) -> dict[str, Any]:
     }
 
 
+@contextmanager
+def parallel_state(job: WgradsJob) -> Iterator[None]:
+    """Megatron's parallel_state for ``job`` on this rank, torn down at the end."""
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=job.tp,
+        pipeline_model_parallel_size=job.pp,
+        virtual_pipeline_model_parallel_size=job.vpp,
+        expert_model_parallel_size=job.ep,
+        expert_tensor_parallel_size=job.etp,
+        create_gloo_process_groups=False,
+    )
+    try:
+        yield
+    finally:
+        ps.destroy_model_parallel()
+
+
 def run_wgrads_job(rank: int, world_size: int, arg: tuple[WgradsJob, str]) -> dict[str, Any]:
     """One rank of one job: gradients reduced by Megatron, written as Megatron's wgrads dump
     and as gradstat's snapshot (the README recipe), and Megatron's statistics of them."""
@@ -367,15 +388,7 @@ def run_wgrads_job(rank: int, world_size: int, arg: tuple[WgradsJob, str]) -> di
 
     job, root = arg
     assert world_size == job.world_size, (job.name, world_size)
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=job.tp,
-        pipeline_model_parallel_size=job.pp,
-        virtual_pipeline_model_parallel_size=job.vpp,
-        expert_model_parallel_size=job.ep,
-        expert_tensor_parallel_size=job.etp,
-        create_gloo_process_groups=False,
-    )
-    try:
+    with parallel_state(job):
         if point_megatron_at_cpu():  # once per process: later cases find it done
             _use_cpu_clip_grads(megatron_clip_grads())
         with warnings.catch_warnings():
@@ -403,5 +416,3 @@ def run_wgrads_job(rank: int, world_size: int, arg: tuple[WgradsJob, str]) -> di
             },
         }
         return result | {"megatron": _megatron_statistics(optimizer)}
-    finally:
-        ps.destroy_model_parallel()

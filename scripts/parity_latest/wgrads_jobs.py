@@ -63,6 +63,7 @@ from tests._wgrads_jobs import (
     _build,
     _fill_main_grads,
     _megatron_statistics,
+    parallel_state,
     true_grads,
     wgrads_dir,
 )
@@ -124,20 +125,11 @@ def _save_wgrads(model: list[Any], save: Path) -> None:
 def run_save_grads_job(rank: int, world_size: int, arg: tuple[WgradsJob, str]) -> dict[str, Any]:
     """One rank of one job: gradients reduced as on a save-wgrads iteration, the dump written by
     Megatron's save_grads, Megatron's own statistics of them."""
-    from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
 
     job, root = arg
     assert world_size == job.world_size, (world_size, job)
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=job.tp,
-        pipeline_model_parallel_size=job.pp,
-        virtual_pipeline_model_parallel_size=job.vpp,
-        expert_model_parallel_size=job.ep,
-        expert_tensor_parallel_size=job.etp,
-        create_gloo_process_groups=False,
-    )
-    try:
+    with parallel_state(job):
         _import_save_grads()
         ranks.megatron_clip_grads_on_cpu()
         point_megatron_at_cpu((*MEGATRON_JOB_SPOTS, *SPOTS_0_19))
@@ -156,8 +148,6 @@ def run_save_grads_job(rank: int, world_size: int, arg: tuple[WgradsJob, str]) -
             "misnumbered": misnumbered,
             "megatron": _megatron_statistics(optimizer),
         }
-    finally:
-        ps.destroy_model_parallel()
 
 
 # --- the rows of the report ---------------------------------------------------------------------
