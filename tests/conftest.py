@@ -14,6 +14,7 @@ run, and a plain ``pytest`` runs everything.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import shutil
 import tempfile
@@ -41,3 +42,16 @@ def sample_data() -> Path:
 def _run_gradstat() -> Callable[..., Any]:
     """``run_gradstat(*args, nproc=None, ...)`` of tests/_cli.py: the CLI in a subprocess."""
     return run_gradstat
+
+
+@pytest.fixture
+def recorder_warnings(caplog: pytest.LogCaptureFixture) -> Callable[[], list[str]]:
+    """The flight recorder's warning lines so far (it warns through ``logging``)."""
+    caplog.set_level(logging.WARNING, logger="gradstat.recorder")
+
+    def lines() -> list[str]:
+        return [
+            record.getMessage() for record in caplog.records if record.name == "gradstat.recorder"
+        ]
+
+    return lines

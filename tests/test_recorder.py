@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -160,7 +161,7 @@ def test_fsdp2_loop_catches_the_nan_and_the_spike(tmp_path: Path) -> None:
 
 
 def _lost_while_dumping(rank: int, world_size: int, directory: str) -> list[Any]:
-    from gradstat import recorder as recorder_module
+    from gradstat.recorder import snapshots as recorder_module
 
     model = torch.nn.Linear(4, 3)
     recorder = gradstat.Recorder(model, directory, steps=[2], finalize_timeout_s=2.0)
@@ -183,7 +184,7 @@ def test_a_rank_lost_while_dumping_leaves_no_snapshot_that_reads_as_complete(
     assert report.outcomes[0]["lost"].value == [(1, (), None), (2, ("step",), None)]
     assert any("rank 1 exited with code 3" in problem for problem in report.problems)
     assert complete_snapshots(dumps) == []
-    (partial,) = dumps.iterdir()
+    (partial,) = (path for path in dumps.iterdir() if path.is_dir())
     assert re.fullmatch(r"\.step-00000002\.[0-9a-f]+-1\.partial", partial.name)
     code, _document, stderr = _cli_norm(partial)
     assert code == 2 and "1 of 2 rank files missing" in stderr
@@ -251,13 +252,15 @@ def test_megatron_loop_catches_the_nan_and_the_spike(tmp_path: Path) -> None:
 
 
 def test_a_write_slower_than_max_dump_s_is_abandoned_and_training_goes_on(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    recorder_warnings: Callable[[], list[str]],
 ) -> None:
     """A slow disk, made deterministic: the dump waits on an event that the test sets only
     after the recorder has given up waiting and a second trigger has been skipped."""
     import threading
 
-    from gradstat import recorder as recorder_module
+    from gradstat.recorder import snapshots as recorder_module
 
     release, real_dump = threading.Event(), recorder_module.dump_rank
 
@@ -276,13 +279,12 @@ def test_a_write_slower_than_max_dump_s_is_abandoned_and_training_goes_on(
         (1, ("step",), None),
         (2, ("step",), None),
     ]
-    messages = capsys.readouterr().err.splitlines()
+    messages = recorder_warnings()
     assert "still writing after 0.2 s" in messages[0] and "stays incomplete" in messages[0]
     assert "still writing the snapshot of step 1; this one is skipped" in messages[1]
     release.set()
-    assert recorder._writer is not None
-    recorder._writer.join()
+    recorder.wait()
     assert complete_snapshots(tmp_path) == [], "an abandoned write is never renamed complete"
-    (partial,) = tmp_path.iterdir()
+    (partial,) = (path for path in tmp_path.iterdir() if path.is_dir())
     assert re.fullmatch(r"\.step-00000001\.[0-9a-f]+-1\.partial", partial.name)
     assert (partial / ".abandoned-rank-00000").exists()

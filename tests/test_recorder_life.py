@@ -12,6 +12,7 @@ import io
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +21,10 @@ import torch
 from safetensors import safe_open
 
 import gradstat
-from gradstat import recorder as recorder_module
 from gradstat.errors import GradstatError, PeerTimeoutError, SnapshotError
 from gradstat.recorder import complete_snapshots
+from gradstat.recorder import snapshots as recorder_module
+from gradstat.recorder.log import LOG_NAME
 from gradstat.testing import Case, launch
 
 
@@ -45,6 +47,11 @@ def _saved(snapshot: Path, rank: int = 0) -> tuple[dict[str, Any], dict[str, tor
         header = json.loads(handle.metadata()["gradstat"])
         tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
     return header, tensors
+
+
+def _snapshots_in(directory: Path) -> list[Path]:
+    """What the directory holds besides the telemetry log."""
+    return [path for path in directory.iterdir() if path.name != LOG_NAME]
 
 
 def _close(a: float, b: float) -> bool:
@@ -134,7 +141,7 @@ def _leftovers_of_a_killed_run(directory: Path) -> None:
 
 
 def test_a_resume_never_completes_a_killed_runs_partial_snapshot(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, recorder_warnings: Callable[[], list[str]]
 ) -> None:
     _leftovers_of_a_killed_run(tmp_path)
     model = torch.nn.Linear(3, 2)
@@ -147,13 +154,12 @@ def test_a_resume_never_completes_a_killed_runs_partial_snapshot(
         "rank-00000.safetensors",
     ]
     assert not [path for path in tmp_path.iterdir() if path.name.startswith(".")]
-    err = capsys.readouterr().err
-    assert "removed 2 incomplete snapshot(s) of an earlier run" in err
-    assert len(err.strip().splitlines()) == 1
+    (line,) = recorder_warnings()
+    assert "removed 2 incomplete snapshot(s) of an earlier run" in line
 
 
 def test_a_replayed_step_keeps_both_snapshots_and_each_record_points_at_its_own(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, recorder_warnings: Callable[[], list[str]]
 ) -> None:
     model = torch.nn.Linear(3, 2)
     first = gradstat.Recorder(model, tmp_path, steps=[5], spike=None)
@@ -173,7 +179,7 @@ def test_a_replayed_step_keeps_both_snapshots_and_each_record_points_at_its_own(
         snapshots.append(snapshot.name)
     assert snapshots == ["step-00000005", "step-00000005.1", "step-00000005.2"]
     assert [path.name for _, path in complete_snapshots(tmp_path)] == snapshots
-    assert capsys.readouterr().err == ""
+    assert recorder_warnings() == []
 
 
 def test_history_reads_a_replayed_steps_snapshots_in_the_order_written(tmp_path: Path) -> None:
@@ -200,7 +206,10 @@ def test_history_reads_a_replayed_steps_snapshots_in_the_order_written(tmp_path:
 
 
 def test_every_failure_on_the_writer_thread_is_one_warning_line(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    recorder_warnings: Callable[[], list[str]],
 ) -> None:
     def broken(*args: Any, **kwargs: Any) -> Path:
         raise RuntimeError("an unexpected failure inside the dump")
@@ -210,9 +219,8 @@ def test_every_failure_on_the_writer_thread_is_one_warning_line(
     recorder = gradstat.Recorder(model, tmp_path, steps=[1], spike=None)
     _backward(model, torch.ones(2, 3))
     recorder.step(1)
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    (line,) = err.strip().splitlines()
+    assert "Traceback" not in capsys.readouterr().err
+    (line,) = recorder_warnings()
     assert "step 1: rank 0 could not dump (an unexpected failure inside the dump)" in line
 
 
@@ -339,7 +347,7 @@ def test_a_step_that_is_not_a_non_negative_integer_is_refused(
     with pytest.raises(GradstatError) as raised:
         recorder.step(step)
     assert isinstance(raised.value, kind) and "\n" not in str(raised.value)
-    assert recorder.records == [] and list(tmp_path.iterdir()) == []
+    assert recorder.records == [] and _snapshots_in(tmp_path) == []
 
 
 def test_integer_steps_are_taken_as_they_are(tmp_path: Path) -> None:
@@ -498,7 +506,7 @@ def test_two_ranks_on_different_steps_say_so_and_take_no_snapshot(
             f"on every rank?)"
         )
         assert all("skipped" in line for line in lines[1:]) and len(lines) == 5, lines
-    assert not apart.exists() or list(apart.iterdir()) == []
+    assert not apart.exists() or _snapshots_in(apart) == []
 
 
 @pytest.mark.multiprocess

@@ -15,22 +15,26 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, NamedTuple
+from pathlib import Path
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from gradstat.clip_grads import check_norm_type
 from gradstat.core import kernels, native
+from gradstat.core.groups import AxisPlace
 from gradstat.core.predicates import gtp_pad_zero_count, param_is_not_shared, param_is_unique
 from gradstat.distributed.runner import Processes, Progress, gather
 from gradstat.errors import SnapshotError
 from gradstat.snapshot import RankFile, RebuiltParam, Snapshot, SnapshotShare
+from gradstat.snapshot.format import RankHeader
 from gradstat.snapshot.reader import FileSummary
 
 __all__ = [
     "NonFinite",
     "ParamStats",
     "Piece",
+    "Placed",
     "Request",
     "SnapshotStats",
     "counts",
@@ -41,6 +45,7 @@ __all__ = [
     "relative_to",
     "snapshot_pieces",
     "snapshot_stats",
+    "tensor_piece",
 ]
 
 _CPU = torch.device("cpu")
@@ -128,7 +133,25 @@ class SnapshotStats:
         return sum(param.pad_zeros for param in self.params)
 
 
-def counts(rank_file: RankFile, param: RebuiltParam) -> bool:
+class Placed(Protocol):
+    """What counting a tensor reads of where it lies: its rank file's header, the rank's
+    places on the duplicate filters' axes, and a path to name in messages (a rank file, or a
+    live rank of the flight recorder)."""
+
+    @property
+    def header(self) -> RankHeader: ...
+
+    @property
+    def path(self) -> Path: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def filter_places(self) -> tuple[AxisPlace, AxisPlace, AxisPlace, AxisPlace]: ...
+
+
+def counts(rank_file: Placed, param: RebuiltParam) -> bool:
     """Whether ``param`` of ``rank_file`` holds values no other counted tensor holds."""
     record = param.record
     if not record.has_grad:
@@ -226,8 +249,8 @@ def _grad(param: RebuiltParam, request: Request) -> torch.Tensor:
     return grad
 
 
-def _piece(
-    rank_file: RankFile,
+def tensor_piece(
+    rank_file: Placed,
     param: RebuiltParam,
     grad: torch.Tensor,
     request: Request,
@@ -269,7 +292,7 @@ def file_pieces(rank_file: RankFile, request: Request) -> list[Piece]:
         # One native call for the file's fp32 tensors: small ones cost less than the call.
         passes = native.fused_many_f32(grads) if request.one_pass else [None] * len(grads)
         pieces = [
-            _piece(rank_file, param, grad, request, fused)
+            tensor_piece(rank_file, param, grad, request, fused)
             for param, grad, fused in zip(counted, grads, passes, strict=True)
         ]
         _log.debug("%s: %d of %d tensors counted", rank_file.path, len(pieces), len(params))

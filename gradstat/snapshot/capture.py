@@ -33,6 +33,7 @@ __all__ = [
     "logical_name",
     "named_gradients",
     "optimizer_fragments",
+    "rank_coords",
 ]
 
 # DeviceMesh dimension names that together make up the data-parallel axis (FSDP2 / HSDP).
@@ -403,6 +404,25 @@ def gradients_to_dump(
     return pairs, grad_attr, distributed_optimizer
 
 
+def rank_coords(
+    coords: Mapping[str, Sequence[int]] | None = None, mesh: Any = None
+) -> tuple[int, int, dict[str, list[int]]]:
+    """This rank, the world size and the rank's coordinates, as :func:`dump_rank` finds them:
+    ``mesh``, else Megatron's ``parallel_state``, else plain data parallelism over the world;
+    ``coords`` entries override."""
+    ready = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if ready else 0
+    world_size = dist.get_world_size() if ready else 1
+    if mesh is not None:
+        found: dict[str, list[int]] | None = coords_from_mesh(mesh)
+    else:
+        found = coords_from_megatron()
+    if found is None:
+        found = {"dp": [rank, world_size]}
+    merged = {**found, **{axis: list(place) for axis, place in (coords or {}).items()}}
+    return rank, world_size, merged
+
+
 def dump_rank(
     directory: str | os.PathLike[str],
     model: torch.nn.Module | Sequence[torch.nn.Module] | Iterable[tuple[str, Any]],
@@ -463,16 +483,7 @@ def dump_rank(
             ``grad_attr`` other than "main_grad" with fragments, ...).
     """
     step = _step_number(step)
-    ready = dist.is_available() and dist.is_initialized()
-    rank = dist.get_rank() if ready else 0
-    world_size = dist.get_world_size() if ready else 1
-    if mesh is not None:
-        found: dict[str, list[int]] | None = coords_from_mesh(mesh)
-    else:
-        found = coords_from_megatron()
-    if found is None:
-        found = {"dp": [rank, world_size]}
-    merged = {**found, **{axis: list(place) for axis, place in (coords or {}).items()}}
+    rank, world_size, merged = rank_coords(coords, mesh)
     pairs, grad_attr, distributed_optimizer = gradients_to_dump(
         model, optimizer, grad_attr, distributed_optimizer
     )

@@ -29,12 +29,13 @@ from gradstat.snapshot.format import (
     supported_dtypes,
 )
 
-__all__ = ["save_rank"]
+__all__ = ["check_coords", "param_record", "save_rank"]
 
 T = TypeVar("T")
 
 
-def _check_coords(coords: Mapping[str, Sequence[int]]) -> dict[str, tuple[int, int]]:
+def check_coords(coords: Mapping[str, Sequence[int]]) -> dict[str, tuple[int, int]]:
+    """``coords`` with every axis present (a missing one is ``[0, 1]``), checked."""
     unknown = sorted(set(coords) - set(AXES))
     if unknown:
         raise ValueError(f"coords: unknown axis {unknown[0]!r}; axes are {', '.join(AXES)}")
@@ -53,7 +54,9 @@ def _local_and_dtensor(grad: torch.Tensor) -> tuple[torch.Tensor, DTensorRecord 
     return to_local(grad), describe(grad, with_offset=True)
 
 
-def _record(name: str, param: Any, grad_attr: str) -> tuple[ParamRecord, torch.Tensor | None]:
+def param_record(name: str, param: Any, grad_attr: str) -> tuple[ParamRecord, torch.Tensor | None]:
+    """The record a rank file holds of ``param`` and its gradient's local tensor (None: no
+    gradient): what the reader rebuilds the parameter from."""
     attrs: dict[str, Any] = {}
     for key in PLAIN_ATTRS:
         value = getattr(param, key, None)
@@ -136,14 +139,14 @@ def save_rank(
         raise ValueError(f"grad_attr must be one of {', '.join(GRAD_ATTRS)}, got {grad_attr!r}")
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world size {world_size}")
-    checked_coords = _check_coords(coords)
+    checked_coords = check_coords(coords)
     records, tensors = [], []
     seen: set[str] = set()
     for name, param in named_params:
         if name in seen:
             raise ValueError(f"parameter {name!r} appears twice in named_params")
         seen.add(name)
-        record, local = _record(name, param, grad_attr)
+        record, local = param_record(name, param, grad_attr)
         records.append(record)
         if local is not None:
             tensors.append((name, local))

@@ -1,0 +1,394 @@
+"""The telemetry log: rank 0 appends one framed record per recorded step to the run directory.
+
+Every record is framed as TensorBoard frames its events (the TFRecord idea): a length and a
+CRC of the frame's head, the payload, a CRC of the payload. A record torn by a kill mid-write
+fails its CRC or ends early: the reader skips it with one line and finds the next frame by its
+magic, so a run resumed after a kill (appending after the torn tail) reads on. Each record is
+one ``write`` call; nothing is rewritten, and a write that fails (a full disk) is cut back off
+the file where the system lets it, one warning line, and training goes on.
+
+Layout (little-endian)::
+
+    frame    = b"GSTL" kind:u8 length:u32 head_crc:u32 | payload[length] | crc32(payload):u32
+    start    = kind 1, JSON: format, version, attempt, time_ns, norm_type, world_size,
+               every, groups
+    layout   = kind 2, JSON: names, expert (one per name); numel (one per name, or null)
+    step     = kind 3: step:i64 norm:f64 logged:f64 triggers:u32 repeat:i32 count:u32
+               then, when count > 0 (count = the layout's names):
+               norms:f64[count]  (-1: no gradient at this step)
+               max_abs:f32[count] zeros:u32[count]
+               extras:u32 then extras x (index:u32 zeros:u64 nan:u64 inf:u64 max_abs:f64)
+
+A step record costs 17 + 32 bytes, and 16 bytes per name when it holds the per-parameter
+statistics; an entry whose zero count, maximum (outside float32's exact values) or NaN/Inf
+counts do not fit there is repeated exactly in ``extras`` (36 bytes). ``logged`` is NaN when
+the job logged no norm; ``repeat`` is the snapshot's repeat index (``step-N.repeat``), -1 for
+none; ``triggers`` has bit i set for trigger i of :data:`~gradstat.recorder.triggers.TRIGGERS`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import mmap
+import os
+import struct
+import zlib
+from array import array
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gradstat.errors import SnapshotError
+from gradstat.recorder.messages import warn
+
+__all__ = [
+    "LOG_NAME",
+    "LogWriter",
+    "StartRecord",
+    "StepRecordData",
+    "read_log",
+]
+
+LOG_NAME = "telemetry.gslog"
+FORMAT_NAME = "gradstat-telemetry"
+FORMAT_VERSION = 1
+_MAGIC = b"GSTL"
+_HEAD = struct.Struct("<4sBI")  # magic, kind, length
+_CRC = struct.Struct("<I")
+_STEP = struct.Struct("<qddIiI")
+_EXTRA = struct.Struct("<IQQQd")
+_START, _LAYOUT, _STEP_KIND = 1, 2, 3
+_NO_GRADIENT = -1.0
+_U32_MAX = 0xFFFFFFFF
+_F32_MAX = 3.4028234663852886e38
+
+
+def _frame(kind: int, payload: bytes) -> bytes:
+    head = _HEAD.pack(_MAGIC, kind, len(payload))
+    return b"".join(
+        (
+            head,
+            _CRC.pack(zlib.crc32(head)),
+            payload,
+            _CRC.pack(zlib.crc32(payload)),
+        )
+    )
+
+
+def _json(document: dict[str, Any]) -> bytes:
+    return json.dumps(document, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _exact_in_f32(value: float) -> bool:
+    return (not math.isfinite(value) or abs(value) <= _F32_MAX) and array("f", [value])[0] == value
+
+
+def step_payload(
+    step: int,
+    norm: float,
+    logged: float | None,
+    triggers: int,
+    repeat: int,
+    params: Any = None,
+) -> bytes:
+    """The payload of one step record; ``params`` a
+    :class:`~gradstat.recorder.telemetry.ParamsAtStep` or None (the norm only)."""
+    logged_value = math.nan if logged is None else logged
+    if params is None:
+        return _STEP.pack(step, norm, logged_value, triggers, repeat, 0)
+    count = len(params.norms)
+    norms = array("d", (_NO_GRADIENT if value is None else value for value in params.norms))
+    peaks = array("f", (min(value, _F32_MAX) for value in params.max_abs))
+    zeros = array("I", (min(value, _U32_MAX) for value in params.zeros))
+    extras = []
+    for index in range(count):
+        nan, inf, zero, peak = (
+            params.nan[index],
+            params.inf[index],
+            params.zeros[index],
+            params.max_abs[index],
+        )
+        if nan or inf or zero >= _U32_MAX or not _exact_in_f32(peak):
+            extras.append(_EXTRA.pack(index, zero, nan, inf, peak))
+    parts = [
+        _STEP.pack(step, norm, logged_value, triggers, repeat, count),
+        norms.tobytes(),
+        peaks.tobytes(),
+        zeros.tobytes(),
+        struct.pack("<I", len(extras)),
+        *extras,
+    ]
+    return b"".join(parts)
+
+
+class LogWriter:
+    """Rank 0's appender of the telemetry log. Never raises: a failed write is one warning
+    (and one more when writes work again), the records meanwhile lost.
+
+    Args:
+        directory: the run directory (created if missing).
+        start: the start record's JSON fields.
+    """
+
+    def __init__(self, directory: Path, start: dict[str, Any]) -> None:
+        self.path = directory / LOG_NAME
+        self._fd: int | None = None
+        self._failing = False
+        self._lost = 0
+        self._layout: bytes | None = None
+        self._layout_written = False
+        document = {"format": FORMAT_NAME, "version": FORMAT_VERSION, **start}
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+            self._fd = os.open(self.path, flags, 0o666)
+        except OSError as error:
+            warn(f"{self.path}: cannot open the telemetry log ({error}); training goes on")
+            return
+        self._append(_frame(_START, _json(document)))
+
+    def layout(
+        self, names: Sequence[str], expert: Sequence[bool], numel: Sequence[int] | None
+    ) -> None:
+        """The names the next step records hold, written before the next of them."""
+        document = {
+            "names": list(names),
+            "expert": list(expert),
+            "numel": None if numel is None else list(numel),
+        }
+        self._layout = _frame(_LAYOUT, _json(document))
+        self._layout_written = False
+
+    def step(self, payload: bytes, holds_params: bool) -> None:
+        if holds_params and not self._layout_written and self._layout is not None:
+            self._layout_written = self._append(self._layout)
+            if not self._layout_written:
+                self._lost += 1
+                return
+        if not self._append(_frame(_STEP_KIND, payload)):
+            self._lost += 1
+
+    def _append(self, frame: bytes) -> bool:
+        if self._fd is None:
+            return False
+        try:
+            before = os.fstat(self._fd).st_size
+        except OSError:
+            before = None
+        try:
+            written = os.write(self._fd, frame)
+            if written != len(frame):
+                raise OSError(f"wrote {written} of {len(frame)} bytes")
+        except OSError as error:
+            if before is not None:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self._fd, before)  # no torn record left behind where possible
+            if not self._failing:
+                self._failing = True
+                warn(
+                    f"{self.path}: cannot append to the telemetry log ({error}); training "
+                    "goes on, and the records meanwhile are lost"
+                )
+            self._layout_written = False  # a later step record needs its layout again
+            return False
+        if self._failing:
+            self._failing = False
+            warn(f"{self.path}: appending again; {self._lost} record(s) were lost")
+            self._lost = 0
+        return True
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+@dataclass(frozen=True)
+class StartRecord:
+    """A recorder's start: one per attempt (a resumed run appends its own)."""
+
+    attempt: str
+    time_ns: int
+    norm_type: float
+    world_size: int
+    every: int | None
+    groups: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class StepRecordData:
+    """One recorded step as the log holds it."""
+
+    attempt: str
+    step: int
+    norm: float
+    logged: float | None
+    triggers: int
+    repeat: int  # the snapshot's repeat index, -1: none
+    names: tuple[str, ...]  # the layout's names (empty: the norm only)
+    expert: tuple[bool, ...]
+    norms: array[float] | None  # -1: no gradient
+    max_abs: array[float] | None
+    zeros: list[int] | None
+    nan: dict[int, int]  # index: count, where non-zero
+    inf: dict[int, int]
+
+
+class _Damage:
+    """Reports each run of unreadable bytes once, as one line."""
+
+    def __init__(self, path: Path, report: Callable[[str], None]) -> None:
+        self.path, self.report = path, report
+
+    def __call__(self, offset: int, length: int, reason: str) -> None:
+        self.report(f"{self.path}: skipped {length} bytes at offset {offset} ({reason})")
+
+
+def _parse_step(
+    payload: bytes, start: StartRecord | None, layout: dict[str, Any] | None
+) -> StepRecordData:
+    step, norm, logged, triggers, repeat, count = _STEP.unpack_from(payload, 0)
+    names: tuple[str, ...] = ()
+    expert: tuple[bool, ...] = ()
+    norms = peaks = None
+    zeros = None
+    nan: dict[int, int] = {}
+    inf: dict[int, int] = {}
+    if count:
+        if layout is None or len(layout["names"]) != count:
+            raise ValueError(
+                f"step {step} holds {count} names and no layout of as many precedes it"
+            )
+        names, expert = tuple(layout["names"]), tuple(layout["expert"])
+        offset = _STEP.size
+        norms = array("d")
+        norms.frombytes(payload[offset : offset + 8 * count])
+        offset += 8 * count
+        peak32 = array("f")
+        peak32.frombytes(payload[offset : offset + 4 * count])
+        peaks = array("d", peak32)
+        offset += 4 * count
+        zeros32 = array("I")
+        zeros32.frombytes(payload[offset : offset + 4 * count])
+        zeros = list(zeros32)
+        offset += 4 * count
+        (extras,) = struct.unpack_from("<I", payload, offset)
+        offset += 4
+        for _ in range(extras):
+            index, zero, nan_count, inf_count, peak = _EXTRA.unpack_from(payload, offset)
+            offset += _EXTRA.size
+            zeros[index], peaks[index] = zero, peak
+            if nan_count:
+                nan[index] = nan_count
+            if inf_count:
+                inf[index] = inf_count
+        if offset != len(payload):
+            raise ValueError(f"step {step}: {len(payload) - offset} bytes left over")
+    return StepRecordData(
+        attempt=start.attempt if start is not None else "",
+        step=step,
+        norm=norm,
+        logged=None if math.isnan(logged) else logged,
+        triggers=triggers,
+        repeat=repeat,
+        names=names,
+        expert=expert,
+        norms=norms,
+        max_abs=peaks,
+        zeros=zeros,
+        nan=nan,
+        inf=inf,
+    )
+
+
+def read_log(
+    path: Path, report: Callable[[str], None]
+) -> Iterator[tuple[StartRecord, StepRecordData]]:
+    """The step records of a telemetry log in the order written, each with its attempt's start
+    record. Damaged or torn bytes are skipped, each run as one ``report`` line.
+
+    Raises:
+        SnapshotError: the file cannot be read, or holds no start record of this format.
+    """
+    damage = _Damage(path, report)
+    try:
+        with open(path, "rb") as file:
+            size = os.fstat(file.fileno()).st_size
+            if size == 0:
+                raise SnapshotError(f"{path}: an empty telemetry log")
+            with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                yield from _records(data, size, damage, path)
+    except OSError as error:
+        raise SnapshotError(f"{path}: cannot read ({error.strerror or error})") from error
+
+
+def _records(
+    data: mmap.mmap, size: int, damage: _Damage, path: Path
+) -> Iterator[tuple[StartRecord, StepRecordData]]:
+    start: StartRecord | None = None
+    layout: dict[str, Any] | None = None
+    offset = 0
+    head_size = _HEAD.size + _CRC.size
+    while offset < size:
+        found = _frame_at(data, offset, size)
+        if isinstance(found, str):
+            following = data.find(_MAGIC, offset + 1)
+            end = size if following < 0 else following
+            damage(offset, end - offset, found)
+            offset = end
+            continue
+        kind, payload = found
+        record_offset, offset = offset, offset + head_size + len(payload) + _CRC.size
+        try:
+            if kind == _START:
+                document = json.loads(payload)
+                if document.get("format") != FORMAT_NAME:
+                    raise ValueError(f"format {document.get('format')!r}")
+                start = StartRecord(
+                    attempt=str(document["attempt"]),
+                    time_ns=int(document["time_ns"]),
+                    norm_type=float(document["norm_type"]),
+                    world_size=int(document["world_size"]),
+                    every=document["every"],
+                    groups=tuple(document["groups"]),
+                )
+                layout = None
+            elif kind == _LAYOUT:
+                layout = json.loads(payload)
+                if len(layout["names"]) != len(layout["expert"]):
+                    raise ValueError("names and expert flags differ in number")
+            elif kind == _STEP_KIND:
+                if start is None:
+                    raise ValueError("a step record before any start record")
+                yield start, _parse_step(payload, start, layout)
+            else:
+                raise ValueError(f"unknown record kind {kind}")
+        except (ValueError, KeyError, TypeError, struct.error) as error:
+            damage(record_offset, offset - record_offset, f"a record that does not parse: {error}")
+    if start is None:
+        raise SnapshotError(f"{path}: no start record of a {FORMAT_NAME} log")
+
+
+def _frame_at(data: mmap.mmap, offset: int, size: int) -> tuple[int, bytes] | str:
+    """The frame at ``offset`` as (kind, payload), or why there is none."""
+    head_end = offset + _HEAD.size + _CRC.size
+    if head_end > size:
+        return "a torn last record: the job stopped mid-write"
+    head = data[offset : offset + _HEAD.size]
+    magic, kind, length = _HEAD.unpack(head)
+    if magic != _MAGIC:
+        return "not a record's start"
+    (head_crc,) = _CRC.unpack(data[offset + _HEAD.size : head_end])
+    if head_crc != zlib.crc32(head):
+        return "a record head whose checksum fails"
+    end = head_end + length + _CRC.size
+    if end > size:
+        return "a torn last record: the job stopped mid-write"
+    payload = data[head_end : head_end + length]
+    (crc,) = _CRC.unpack(data[end - _CRC.size : end])
+    if crc != zlib.crc32(payload):
+        return "a record whose checksum fails"
+    return kind, payload

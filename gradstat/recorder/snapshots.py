@@ -1,0 +1,236 @@
+"""The recorder's snapshots: names, writing on a thread, and retention.
+
+Each Recorder is an attempt, with an id rank 0 draws at construction. A snapshot is written into
+``.step-N.<attempt>-<k>.partial/`` and renamed ``step-N`` by rank 0 once every rank file is
+there; a step that already has one gets ``step-N.1``, ``step-N.2``, ... Routine snapshots
+(``every``, ``step``) and triggered ones are kept apart, the ``keep`` newest-written of each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from gradstat.errors import SnapshotError
+from gradstat.recorder.messages import warn
+from gradstat.recorder.triggers import ROUTINE_TRIGGERS
+from gradstat.snapshot.capture import dump_rank
+from gradstat.snapshot.format import FILE_PATTERN
+from gradstat.snapshot.reader import open_rank_file
+
+__all__ = ["Snapshots", "complete_snapshots", "snapshot_name"]
+
+_ABANDONED = ".abandoned-rank-{rank:05d}"
+_COMPLETE = re.compile(r"^step-(\d+)(?:\.(\d+))?$")
+_PARTIAL = re.compile(r"^\.step-\d+\.(?:([0-9a-f]+)-\d+\.)?partial$")
+_MARKER = ".recorder.json"
+
+
+def complete_snapshots(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """The recorder's complete snapshots under ``directory`` as (step, path), in step order;
+    a repeated step's later snapshots (``step-N.1``, ...) after its first."""
+    found = []
+    for path in Path(directory).iterdir():
+        match = _COMPLETE.match(path.name)
+        if match and path.is_dir():
+            found.append((int(match.group(1)), int(match.group(2) or 0), path))
+    return [(step, path) for step, _, path in sorted(found)]
+
+
+def snapshot_name(step: int, repeat: int) -> str:
+    """The name of a step's snapshot: ``step-N``, then ``step-N.1``, ... for a repeated step."""
+    suffix = f".{repeat}" if repeat else ""
+    return f"step-{step:08d}{suffix}"
+
+
+def _header_triggers(snapshot: Path) -> tuple[str, ...] | None:
+    """The triggers in the rank 0 file's header, as the reader reads it; None if it cannot be
+    read."""
+    try:
+        return open_rank_file(snapshot, FILE_PATTERN.format(rank=0)).header.triggers
+    except SnapshotError:
+        return None
+
+
+def _kind_and_time(snapshot: Path) -> tuple[bool, int]:
+    """Whether ``snapshot`` is routine, and when it was written (ns): from its marker, else
+    from its rank 0 file (triggers unknown: kept as triggered, never pushed out by routine
+    ones)."""
+    try:
+        marker = json.loads((snapshot / _MARKER).read_text())
+        return set(marker["triggers"]) <= ROUTINE_TRIGGERS, int(marker["written_ns"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    triggers = _header_triggers(snapshot)
+    try:
+        written = snapshot.stat().st_mtime_ns
+    except OSError:
+        written = 0
+    routine = triggers is not None and bool(triggers) and set(triggers) <= ROUTINE_TRIGGERS
+    return routine, written
+
+
+class Snapshots:
+    """One attempt's snapshots in ``directory``: rank 0's decisions before a write, every
+    rank's write on a thread, rank 0's rename once the write is whole."""
+
+    def __init__(
+        self,
+        directory: Path,
+        keep: int,
+        finalize_timeout_s: float,
+        max_dump_s: float,
+        rank: int,
+        world_size: int,
+    ) -> None:
+        self.directory = directory
+        self.keep = keep
+        self.finalize_timeout_s = finalize_timeout_s
+        self.max_dump_s = max_dump_s
+        self.rank, self.world_size = rank, world_size
+        self.attempt = ""  # set once the ranks agreed on it
+        self.writing: int | None = None  # the step of the latest write
+        self._writer: threading.Thread | None = None
+        self._dumps = 0
+
+    @property
+    def busy(self) -> bool:
+        """Whether this rank's latest write is still going."""
+        return self._writer is not None and self._writer.is_alive()
+
+    def join(self, timeout_s: float | None = None) -> None:
+        """Wait for this rank's latest write (at most ``timeout_s``)."""
+        if self._writer is not None:
+            self._writer.join(timeout_s)
+
+    # --- rank 0's decisions, made before any rank writes --------------------------------------
+
+    def begin(self) -> int:
+        """Rank 0 at construction: draw this attempt's id, remove earlier attempts' partial
+        snapshots (their ranks are gone: they can never complete)."""
+        attempt = secrets.randbits(40)
+        try:
+            leftovers = sorted(
+                path for path in self.directory.iterdir() if _PARTIAL.match(path.name)
+            )
+        except OSError:
+            return attempt  # no directory yet
+        for path in leftovers:
+            shutil.rmtree(path, ignore_errors=True)
+        if leftovers:
+            warn(
+                f"{self.directory}: removed {len(leftovers)} incomplete snapshot(s) of an "
+                f"earlier run ({', '.join(path.name for path in leftovers[:3])}"
+                f"{', ...' if len(leftovers) > 3 else ''})"
+            )
+        return attempt
+
+    def prepare(self, step: int, triggers: tuple[str, ...]) -> int:
+        """Rank 0, before the others write: make room for the snapshot (the oldest of its kind
+        goes when the kind holds ``keep``) and pick its free name (its repeat index)."""
+        routine = set(triggers) <= ROUTINE_TRIGGERS
+        try:
+            self._trim(routine, self.keep - 1)
+        except OSError as error:
+            warn(f"step {step}: cannot remove old snapshots ({error}); training goes on")
+        repeat = 0
+        while self.final(step, repeat).exists():
+            repeat += 1
+        return repeat
+
+    def final(self, step: int, repeat: int) -> Path:
+        return self.directory / snapshot_name(step, repeat)
+
+    def _trim(self, routine: bool, bound: int) -> None:
+        """Remove the oldest-written complete snapshots of one kind beyond ``bound``."""
+        if not self.directory.is_dir():
+            return
+        same_kind = []
+        for _, path in complete_snapshots(self.directory):
+            kind, written = _kind_and_time(path)
+            if kind == routine:
+                same_kind.append((written, path.name, path))
+        same_kind.sort()
+        for _, _, path in same_kind[: max(0, len(same_kind) - bound)]:
+            shutil.rmtree(path, ignore_errors=True)
+
+    # --- the dump ----------------------------------------------------------------------------
+
+    def dump(
+        self,
+        step: int,
+        triggers: tuple[str, ...],
+        repeat: int,
+        pairs: Sequence[tuple[str, Any]],
+        options: Mapping[str, Any],
+        on_write: Callable[[], None],
+    ) -> Path | None:
+        """Write this rank's file (rank 0 then finalizes) on a thread, and wait for it at most
+        ``max_dump_s``: past that, training goes on and the snapshot is abandoned, marked so
+        that it is never renamed complete (its gradients change from here on).
+
+        ``options`` go to :func:`dump_rank`; ``on_write`` is called as the write starts.
+        """
+        self._dumps += 1
+        on_write()
+        final = self.final(step, repeat)
+        partial = self.directory / f".step-{step:08d}.{self.attempt}-{self._dumps}.partial"
+        rank, world_size = self.rank, self.world_size
+
+        def write() -> None:
+            try:
+                dump_rank(
+                    partial,
+                    pairs,
+                    step=step,
+                    triggers=triggers,
+                    empty_ok=True,  # a rank without gradients still completes the snapshot
+                    **options,
+                )
+                if rank == 0 and self._wait_for_all(partial, world_size):
+                    if any(partial.glob(".abandoned-rank-*")):
+                        return  # a rank gave up waiting for its write: its file may be torn
+                    marker = {"triggers": list(triggers), "written_ns": time.time_ns()}
+                    (partial / _MARKER).write_text(json.dumps(marker))
+                    os.rename(partial, final)
+                    self._trim(set(triggers) <= ROUTINE_TRIGGERS, self.keep)
+            except Exception as error:  # a thread's traceback would be lost in the job's log
+                warn(f"step {step}: rank {rank} could not dump ({error}); training goes on")
+
+        self._writer = threading.Thread(target=write, name=f"gradstat-dump-{step}", daemon=True)
+        self.writing = step
+        self._writer.start()
+        self._writer.join(self.max_dump_s)
+        if self._writer.is_alive():
+            partial.mkdir(parents=True, exist_ok=True)
+            (partial / _ABANDONED.format(rank=rank)).touch()
+            warn(
+                f"step {step}: rank {rank} still writing after {self.max_dump_s:g} s (a slow "
+                f"disk?); training goes on and {partial.name} stays incomplete"
+            )
+            return None
+        return final if rank != 0 or final.exists() else None
+
+    def _wait_for_all(self, partial: Path, world_size: int) -> bool:
+        deadline = time.monotonic() + self.finalize_timeout_s
+        expected = [partial / FILE_PATTERN.format(rank=rank) for rank in range(world_size)]
+        while True:
+            present = sum(path.exists() for path in expected)
+            if present == world_size:
+                return True
+            if time.monotonic() >= deadline:
+                warn(
+                    f"{partial}: {present} of {world_size} rank files after "
+                    f"{self.finalize_timeout_s:g} s; the snapshot stays incomplete "
+                    f"(a rank was lost, or the disk is slow); training goes on"
+                )
+                return False
+            time.sleep(0.05)

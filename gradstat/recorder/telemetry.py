@@ -1,0 +1,313 @@
+"""Per-parameter statistics of the live job, every recorded step, in one vector per step.
+
+Each rank describes its gradients as :func:`gradstat.snapshot.dump_rank` would write them (the
+same records, coordinates and placements) and counts them as ``gradstat norm`` counts a
+snapshot (:func:`gradstat.analysis.stats.counts`): TP/ETP, GTP/EGTP and shared copies once,
+DTensor gradients by their placements, data-parallel replicas once (a plain optimizer's at
+data-parallel rank 0), distributed-optimizer fragments summed into their parameter. So a
+parameter's numbers at a step are those ``gradstat norm`` prints for a snapshot of that step.
+
+The names are agreed once, and again only when some rank's parameters change (a layer added or
+replaced, a gradient that appears or goes): every rank sends a digest of its names, each
+distinct list is broadcast once by its first owner, and every rank takes their union in rank
+order, the order ``gradstat norm`` lists a snapshot's parameters. A name may stand for a group
+(``groups``: regular expressions; a parameter whose name one matches counts under the matched
+text, ``r"layers\\.\\d+"`` giving one row per layer).
+
+At a recorded step every rank adds its counted tensors into two vectors, one entry per agreed
+name: sums (squares, zeros, NaN, Inf, elements) and maxima (|x|), reduced over the world in a
+SUM and a MAX all-reduce: two collectives per step whatever the number of parameters (no
+reduction op does both). Squares are summed in float64 (the native kernel's float64 lanes on
+the CPU): each statistic is float64-exact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradstat.analysis.stats import Request, counts, tensor_piece
+from gradstat.core import native
+from gradstat.core.groups import AxisPlace, stats_device, to_local
+from gradstat.errors import GradstatError
+from gradstat.recorder.agreement import ready
+from gradstat.recorder.messages import warn
+from gradstat.recorder.model import Gradients
+from gradstat.snapshot.capture import rank_coords
+from gradstat.snapshot.format import RankHeader
+from gradstat.snapshot.reader import RebuiltParam
+from gradstat.snapshot.writer import check_coords, param_record
+
+__all__ = ["Layout", "ParamsAtStep", "Telemetry"]
+
+_SUMS = 5  # per name: squares, zeros, NaN, Inf, elements
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The agreed names (parameters, or groups of them) and whether each is an expert's."""
+
+    names: tuple[str, ...]
+    expert: tuple[bool, ...]
+
+
+@dataclass(frozen=True)
+class ParamsAtStep:
+    """Every agreed name's statistics at one step, the same on every rank.
+
+    ``norms`` holds each L2 norm, None where no rank has a gradient for it at this step.
+    """
+
+    layout: Layout
+    norms: tuple[float | None, ...]
+    max_abs: tuple[float, ...]
+    zeros: tuple[int, ...]
+    nan: tuple[int, ...]
+    inf: tuple[int, ...]
+    numel: tuple[int, ...]
+
+    def total(self) -> float:
+        """The L2 norm of everything counted, as the sum of the per-name squares."""
+        return math.sqrt(math.fsum(norm * norm for norm in self.norms if norm is not None))
+
+
+@dataclass(frozen=True)
+class _LiveRank:
+    """This rank's gradients described as its rank file would describe them (no file)."""
+
+    header: RankHeader
+    path: Path
+
+    @property
+    def rank(self) -> int:
+        return self.header.rank
+
+    @cached_property
+    def filter_places(self) -> tuple[AxisPlace, AxisPlace, AxisPlace, AxisPlace]:
+        coords = self.header.coords
+        return tuple(AxisPlace(*coords[axis]) for axis in ("tp", "etp", "gtp", "egtp"))  # type: ignore[return-value]
+
+
+@dataclass
+class _Local:
+    """What this rank counts, worked out when its parameters last changed: for each counted
+    tensor its position among the items, its rebuilt parameter and its agreed slot."""
+
+    items: tuple[int, ...]  # the items' ids: when they change, the names are agreed again
+    held: tuple[bool, ...]  # which hold a gradient: when that changes, this is worked out again
+    names: list[str]  # the slot names this rank holds, in its order
+    expert: list[bool]
+    live: _LiveRank
+    counted: list[tuple[int, RebuiltParam, str]]  # (item position, param, slot name)
+    slots: list[int]  # agreed slot of each counted tensor
+
+
+def _digest(names: Sequence[str], expert: Sequence[bool]) -> str:
+    text = "\0".join(f"{name}\1{int(flag)}" for name, flag in zip(names, expert, strict=True))
+    return hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()
+
+
+class Telemetry:
+    """Per-parameter statistics every ``every`` steps (see the module's docstring).
+
+    Args:
+        gradients: the model as the recorder reads it.
+        directory: the run directory, named in messages.
+        every: record the statistics at steps divisible by this.
+        groups: regular expressions; a parameter whose name one matches (the first, searched)
+            counts under the matched text.
+        coords, mesh: as :func:`gradstat.snapshot.dump_rank` takes them.
+        group: where the names are agreed (the recorder's own gloo group, or None: the
+            default group).
+    """
+
+    def __init__(
+        self,
+        gradients: Gradients,
+        directory: Path,
+        every: int,
+        groups: Sequence[str],
+        coords: Any,
+        mesh: Any,
+        group: dist.ProcessGroup | None,
+    ) -> None:
+        self.gradients = gradients
+        self.directory = directory
+        self.every = every
+        self.patterns = tuple(re.compile(pattern) for pattern in groups)
+        self.coords, self.mesh, self.group = coords, mesh, group
+        self.layout = Layout((), ())
+        self._local: _Local | None = None
+        self._slot: dict[str, int] = {}
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def _held(self, items: Sequence[Any]) -> tuple[bool, ...]:
+        return tuple(self.gradients.gradient(item) is not None for item in items)
+
+    def changed(self) -> bool:
+        """Whether this rank's parameters changed since the names were last agreed."""
+        local = self._local
+        return local is None or local.items != tuple(map(id, self.gradients.items()))
+
+    def _slot_name(self, name: str) -> str:
+        for pattern in self.patterns:
+            found = pattern.search(name)
+            if found:
+                return found.group(0)
+        return name
+
+    def _describe(self) -> _Local:
+        """This rank's records, what it counts of them, and its slot names."""
+        items = self.gradients.items()
+        pairs = self.gradients.dumped_pairs()
+        rank, world_size, coords = rank_coords(self.coords, self.mesh)
+        records = [param_record(name, item, self.gradients.grad_attr)[0] for name, item in pairs]
+        header = RankHeader(
+            rank=rank,
+            world_size=world_size,
+            step=None,
+            coords=check_coords(coords),
+            distributed_optimizer=self.gradients.distributed_optimizer,
+            grad_attr=self.gradients.grad_attr,
+            params=tuple(records),
+        )
+        live = _LiveRank(header, self.directory)
+        names: dict[str, bool] = {}
+        counted = []
+        for position, record in enumerate(records):
+            slot = self._slot_name(record.name)
+            names.setdefault(slot, record.is_expert)
+            param = RebuiltParam(record)
+            if counts(live, param):
+                counted.append((position, param, slot))
+        return _Local(
+            tuple(map(id, items)),
+            self._held(items),
+            list(names),
+            list(names.values()),
+            live,
+            counted,
+            slots=[self._slot.get(slot, -1) for _, _, slot in counted],
+        )
+
+    def agree(self) -> None:
+        """Agree on the names (a collective: every rank calls, when any rank changed)."""
+        local = self._local = self._describe()
+        lists = [(local.names, local.expert)]
+        if ready() and dist.get_world_size() > 1:
+            digests: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(digests, _digest(local.names, local.expert), group=self.group)
+            lists = []
+            first = {digest: rank for rank, digest in reversed(list(enumerate(digests)))}
+            for owner in sorted(first.values()):
+                sent: list[Any] = [
+                    (local.names, local.expert) if dist.get_rank() == owner else None
+                ]
+                dist.broadcast_object_list(sent, src=owner, group=self.group)
+                lists.append(sent[0])
+        union: dict[str, bool] = {}
+        for names, expert in lists:
+            for name, flag in zip(names, expert, strict=True):
+                union.setdefault(name, flag)
+        self.layout = Layout(tuple(union), tuple(union.values()))
+        self._slot = {name: index for index, name in enumerate(union)}
+        local.slots = [self._slot[slot] for _, _, slot in local.counted]
+
+    def measure(self) -> ParamsAtStep | None:
+        """This step's statistics of every agreed name (a collective: every rank calls).
+
+        None when some rank could not compute its part (its reason is one warning line there):
+        every rank still joins the reductions, so none waits for another.
+        """
+        local = self._local
+        assert local is not None, "agree() comes first"
+        items = self.gradients.items()
+        if self._held(items) != local.held:
+            local = self._local = self._describe()  # the same names: no agreement needed
+        width = len(self.layout.names)
+        sums = [0.0] * (width * _SUMS + 1)  # the last: ranks that failed
+        maxima = [0.0] * width
+        failure = None
+        try:
+            self._add_local(local, items, sums, maxima)
+        except (GradstatError, RuntimeError, ValueError) as error:
+            failure = error
+            sums = [0.0] * (width * _SUMS) + [1.0]
+        summed, maxed = self._reduce(sums, maxima)
+        if failure is not None or summed[-1] > 0:
+            reason = f" ({failure})" if failure is not None else ""
+            warn(f"per-parameter statistics skipped at this step: a rank failed{reason}")
+            return None
+        return self._result(summed, maxed)
+
+    def _add_local(
+        self, local: _Local, items: Sequence[Any], sums: list[float], maxima: list[float]
+    ) -> None:
+        grads = []
+        for position, param, _ in local.counted:
+            grad = to_local(self.gradients.gradient(items[position]))
+            if tuple(grad.shape) != param.record.shape:
+                raise GradstatError(
+                    f"{param.name!r}: its gradient's shape {list(grad.shape)} changed without "
+                    "its parameter changing; re-agreed at the next step"
+                )
+            param.grad = grad
+            grads.append(grad)
+        if not grads:
+            return
+        request = Request.make((2.0, math.inf), zeros=True, device=grads[0].device)
+        passes = native.fused_many_f32(grads) if request.one_pass else [None] * len(grads)
+        for (_, param, _), slot, grad, fused in zip(
+            local.counted, local.slots, grads, passes, strict=True
+        ):
+            found = tensor_piece(local.live, param, grad, request, fused)
+            base = slot * _SUMS
+            sums[base] += found.norms[0] ** 2
+            sums[base + 1] += found.zeros
+            if found.nonfinite is not None:
+                sums[base + 2] += found.nonfinite.nan
+                sums[base + 3] += found.nonfinite.inf
+            sums[base + 4] += found.numel
+            # A NaN is counted, not maximised: MAX over ranks does not propagate it.
+            if found.max_abs is not None and not math.isnan(found.max_abs):
+                maxima[slot] = max(maxima[slot], found.max_abs)
+            param.grad = None  # hold no gradient past the step
+
+    def _reduce(self, sums: list[float], maxima: list[float]) -> tuple[list[float], list[float]]:
+        if not (ready() and dist.get_world_size() > 1):
+            return sums, maxima
+        device = stats_device([], None)
+        summed = torch.tensor(sums, dtype=torch.float64, device=device)
+        maxed = torch.tensor(maxima, dtype=torch.float64, device=device)
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+        dist.all_reduce(maxed, op=dist.ReduceOp.MAX)
+        return summed.tolist(), maxed.tolist()
+
+    def _result(self, summed: list[float], maxed: list[float]) -> ParamsAtStep:
+        width = len(self.layout.names)
+        columns = [summed[offset : width * _SUMS : _SUMS] for offset in range(_SUMS)]
+        squares, zeros, nan, inf, numel = columns
+        norms = tuple(
+            math.sqrt(square) if elements > 0 or square > 0 else None
+            for square, elements in zip(squares, numel, strict=True)
+        )
+        return ParamsAtStep(
+            self.layout,
+            norms,
+            tuple(math.nan if found else peak for peak, found in zip(maxed, nan, strict=True)),
+            tuple(int(value) for value in zeros),
+            tuple(int(value) for value in nan),
+            tuple(int(value) for value in inf),
+            tuple(int(value) for value in numel),
+        )
