@@ -1,27 +1,36 @@
-"""History across the snapshots of one run: per-parameter norms and zero counts over steps, and
-the step where each parameter first jumped.
+"""History of one run: the total norm and per-parameter statistics over steps, and the step
+where each parameter first jumped, ordered by who moved first.
 
-The snapshots are the directories under a root that hold rank files (the flight recorder's
-``step-N``, or any other); hidden ones (``.step-*.partial``, still being written or left by a
-lost rank) are skipped. They are read one at a time, in step order, each once: what is kept is
-a few numbers per parameter and snapshot.
+Two sources, one result:
 
-A parameter jumps at the first snapshot where its norm is non-finite, or more than ``factor``
-times the median of its earlier finite norms, or its zero count moved away from its baseline
-(the median of its earlier counts) by more than ``zeros_change`` of its elements and to at
-least twice or at most half the baseline. A high count alone is no jump: an embedding's rows
-that no token of a batch used are zeros in every snapshot, more or fewer with each batch.
+- the flight recorder's telemetry log (``telemetry.gslog`` in the run directory,
+  :mod:`gradstat.recorder.log`): every recorded step's norm, the norm the job logged, the
+  triggers, and the per-parameter L2 norm, max |x|, zero, NaN and Inf counts; the snapshots of
+  the directory are linked to their steps. A step a resumed run replayed keeps its latest
+  record (the run as it went on). Torn or damaged records are skipped, one line each.
+- the snapshots under a directory (the flight recorder's ``step-N``, a Megatron ``wgrads/``
+  folder, or any other), read one at a time in step order, each once; hidden ones
+  (``.step-*.partial``: being written, or left by a lost rank) are skipped.
+
+A parameter jumps at the first step where its norm is non-finite (or it holds a NaN or Inf),
+or more than ``factor`` times the median of its previous ``window`` finite norms, or its zero
+count moved away from its baseline (the median of its previous ``window`` counts) by more than
+``zeros_change`` of its elements and to at least twice or at most half the baseline. A high
+count alone is no jump: an embedding's rows that no token of a batch used are zeros in every
+step, more or fewer with each batch. The parameters that jumped are ordered by their first
+jump's step: the one that led comes first, not the biggest.
 """
 
 from __future__ import annotations
 
 import math
 import re
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from gradstat.analysis.report import json_number
 from gradstat.analysis.stats import snapshot_stats
@@ -33,15 +42,18 @@ if TYPE_CHECKING:
 
 __all__ = [
     "JUMP_KINDS",
+    "SOURCES",
     "History",
     "ParamSeries",
     "find_snapshots",
     "read_history",
 ]
 
-
-# The kinds of a first jump, the most telling first: how findings are ordered.
+# The kinds of a first jump, the most telling first: how jumps of one step are ordered.
 JUMP_KINDS = ("nonfinite", "norm", "zeros")
+SOURCES = ("auto", "log", "snapshots")
+_PROGRESS_BYTES = 1 << 20  # how often reading a log reports its progress
+_MIN_BASELINE = 3  # earlier finite values a median needs before a norm or zero jump counts
 
 
 def find_snapshots(root: Path) -> list[Path]:
@@ -56,78 +68,131 @@ def find_snapshots(root: Path) -> list[Path]:
     if not found:
         raise SnapshotError(
             f"{root}: no snapshot directories (with *.safetensors, or a Megatron wgrads dump's "
-            "mp_rank_*.pth) inside"
+            "mp_rank_*.pth) inside, and no telemetry log"
         )
     return found
 
 
 @dataclass
 class ParamSeries:
-    """One parameter over the snapshots: its norm and zero count at each step."""
+    """One parameter over the steps where it had a gradient: its norm and zero count, and
+    from the log its max |x| and NaN and Inf counts."""
 
     name: str
     numel: int
+    expert: bool = False
+    steps: list[int] = field(default_factory=list)
     norms: list[float] = field(default_factory=list)
     zeros: list[int] = field(default_factory=list)
+    max_abs: list[float] | None = None  # None: a snapshot history (not computed)
+    nan: list[int] = field(default_factory=list)
+    inf: list[int] = field(default_factory=list)
     jump_step: int | None = None
     jump_kind: str | None = None  # one of JUMP_KINDS
+    jump_ratio: float | None = None  # a norm jump: the norm over its baseline
+
+    def add(
+        self,
+        step: int,
+        norm: float,
+        zeros: int,
+        max_abs: float | None = None,
+        nan: int = 0,
+        inf: int = 0,
+    ) -> None:
+        self.steps.append(step)
+        self.norms.append(norm)
+        self.zeros.append(zeros)
+        if max_abs is not None:
+            if self.max_abs is None:
+                self.max_abs = [math.nan] * (len(self.steps) - 1)
+            self.max_abs.append(max_abs)
+        self.nan.append(nan)
+        self.inf.append(inf)
+
+    def peak(self) -> float:
+        return max((norm for norm in self.norms if math.isfinite(norm)), default=0.0)
 
 
 @dataclass
 class History:
-    """Steps, total norms and zero counts, and every parameter's series, in step order."""
+    """The run's steps (each with its total norm, zero count, logged norm, triggers and
+    snapshot) and every parameter's series, in step order."""
 
     norm_type: float
+    source: str = "snapshots"  # "log" or "snapshots"
     steps: list[int] = field(default_factory=list)
-    paths: list[Path] = field(default_factory=list)
     totals: list[float] = field(default_factory=list)
-    total_zeros: list[int] = field(default_factory=list)
+    total_zeros: list[int | None] = field(default_factory=list)
+    logged: list[float | None] = field(default_factory=list)
     triggers: list[tuple[str, ...]] = field(default_factory=list)  # what took each snapshot
+    paths: list[Path | None] = field(default_factory=list)  # each step's snapshot, if kept
     params: dict[str, ParamSeries] = field(default_factory=dict)
+    param_norm_type: float = 2.0  # the per-parameter norms' (the log's are L2)
+    problems: list[str] = field(default_factory=list)  # lines about skipped log records
 
     def jumped(self) -> list[ParamSeries]:
-        """The parameters that jumped, the most telling kind first (non-finite, then norm,
-        then zero count), each kind in step order: a real norm jump is never listed below a
-        zero count's move."""
+        """The parameters that jumped, the one that moved first first; at one step the most
+        telling kind first (non-finite, then norm, then zero count), then the larger jump."""
         found = [series for series in self.params.values() if series.jump_step is not None]
         return sorted(
             found,
-            key=lambda series: (JUMP_KINDS.index(series.jump_kind or "zeros"), series.jump_step),
+            key=lambda series: (
+                series.jump_step,
+                JUMP_KINDS.index(series.jump_kind or "zeros"),
+                -(series.jump_ratio or 0.0),
+            ),
         )
+
+    def snapshot_rows(self) -> list[int]:
+        """The indices of the steps that have a snapshot."""
+        return [index for index, path in enumerate(self.paths) if path is not None]
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "source": self.source,
             "norm_type": json_number(self.norm_type),
+            "param_norm_type": json_number(self.param_norm_type),
+            "steps": self.steps,
+            "total_norm": [json_number(value) for value in self.totals],
+            "num_zeros": self.total_zeros,
+            "logged_norm": [None if value is None else json_number(value) for value in self.logged],
+            "triggers": [list(triggers) for triggers in self.triggers],
             "snapshots": [
                 {
-                    "path": str(path),
-                    "step": step,
-                    "total_norm": json_number(total),
-                    "num_zeros": zeros,
-                    "triggers": list(triggers),
+                    "path": str(self.paths[index]),
+                    "step": self.steps[index],
+                    "total_norm": json_number(self.totals[index]),
+                    "num_zeros": self.total_zeros[index],
+                    "triggers": list(self.triggers[index]),
                 }
-                for path, step, total, zeros, triggers in zip(
-                    self.paths,
-                    self.steps,
-                    self.totals,
-                    self.total_zeros,
-                    self.triggers,
-                    strict=True,
-                )
+                for index in self.snapshot_rows()
             ],
-            "params": [
-                {
-                    "name": series.name,
-                    "num_elements": series.numel,
-                    "norms": [json_number(norm) for norm in series.norms],
-                    "num_zeros": series.zeros,
-                    "first_jump": None
-                    if series.jump_step is None
-                    else {"step": series.jump_step, "kind": series.jump_kind},
-                }
-                for series in self.params.values()
-            ],
+            "params": [_series_json(series) for series in self.params.values()],
+            "problems": self.problems,
         }
+
+
+def _series_json(series: ParamSeries) -> dict[str, Any]:
+    jump: dict[str, Any] | None = None
+    if series.jump_step is not None:
+        jump = {"step": series.jump_step, "kind": series.jump_kind}
+        if series.jump_ratio is not None:
+            jump["ratio"] = json_number(series.jump_ratio)
+    return {
+        "name": series.name,
+        "num_elements": series.numel,
+        "expert": series.expert,
+        "steps": series.steps,
+        "norms": [json_number(norm) for norm in series.norms],
+        "num_zeros": series.zeros,
+        "max_abs": None
+        if series.max_abs is None
+        else [json_number(value) for value in series.max_abs],
+        "num_nan": series.nan,
+        "num_inf": series.inf,
+        "first_jump": jump,
+    }
 
 
 # The flight recorder's names: step-N, and step-N.1, step-N.2, ... for a step replayed.
@@ -148,24 +213,67 @@ def _step_of(snapshot: Snapshot, index: int) -> int:
     return index if step is None else step
 
 
+def _within(step: int, since: int | None, until: int | None) -> bool:
+    return (since is None or step >= since) and (until is None or step <= until)
+
+
 def read_history(
     root: Path,
-    norm_type: float = 2.0,
+    norm_type: float | None = None,
     *,
     factor: float = 10.0,
+    window: int = 50,
     zeros_change: float = 0.1,
-    on_snapshot: Callable[[Path], None] | None = None,
+    since: int | None = None,
+    until: int | None = None,
+    source: str = "auto",
+    on_progress: Callable[[int, int, str], None] | None = None,
+    report: Callable[[str], None] | None = None,
     options: WgradsOptions | None = None,
 ) -> History:
-    """Read every snapshot under ``root`` once, in step order, and find each parameter's jump.
+    """Read a run's history: its telemetry log when it has one (``source="auto"``), else its
+    snapshots; then find each parameter's first jump.
 
-    ``root`` may be a Megatron job's ``wgrads/`` folder: its ``iter_*`` dumps are read with
-    ``options``, the iteration from each folder's name.
+    Args:
+        root: the run directory (the flight recorder's), or any directory of snapshots; a
+            Megatron job's ``wgrads/`` folder (its ``iter_*`` dumps read with ``options``).
+        norm_type: the norm of the snapshots' statistics (None: 2); a log holds its own (the
+            recorder's for the total, L2 per parameter) and refuses another.
+        factor, window, zeros_change: what makes a jump (the module's docstring).
+        since, until: only the steps from ``since`` to ``until`` (inclusive).
+        source: "auto", "log" or "snapshots".
+        on_progress: called with (done, total, unit): "bytes" of the log, or "snapshots".
+        report: called with one line per skipped log record (a torn tail, damage).
 
     Raises:
-        SnapshotError: no snapshots, a bad snapshot (named), two snapshots of the same step
-            (but a step the flight recorder replayed: ``step-N``, then ``step-N.1``, ...).
+        SnapshotError: no log and no snapshots, a bad snapshot (named), two snapshots of the
+            same step (but a step the flight recorder replayed: ``step-N``, then
+            ``step-N.1``, ...), a log asked for and absent.
     """
+    from gradstat.recorder.log import LOG_NAME
+
+    if source not in SOURCES:
+        raise ValueError(f"source must be one of {', '.join(SOURCES)}, got {source!r}")
+    log = root / LOG_NAME
+    if source == "log" or (source == "auto" and log.is_file()):
+        if not log.is_file():
+            raise SnapshotError(f"{root}: no telemetry log ({LOG_NAME}) inside")
+        history = _from_log(root, log, norm_type, since, until, on_progress, report)
+    else:
+        history = _from_snapshots(root, norm_type or 2.0, since, until, on_progress, options)
+    for series in history.params.values():
+        _find_jump(series, factor, window, zeros_change)
+    return history
+
+
+def _from_snapshots(
+    root: Path,
+    norm_type: float,
+    since: int | None,
+    until: int | None,
+    on_progress: Callable[[int, int, str], None] | None,
+    options: WgradsOptions | None,
+) -> History:
     opened = []
     for index, path in enumerate(find_snapshots(root)):
         snapshot = Snapshot.open(path, options)
@@ -175,44 +283,143 @@ def read_history(
         replayed = _repeat_of(path, step) is not None and _repeat_of(earlier, step) is not None
         if step == other and not replayed:
             raise SnapshotError(f"{path}: step {step} is also the step of {earlier}")
-    history = History(norm_type)
-    for step, path, snapshot in opened:
+    chosen = [entry for entry in opened if _within(entry[0], since, until)]
+    if not chosen:
+        raise SnapshotError(f"{root}: no snapshot from step {since} to {until}")
+    history = History(norm_type, "snapshots", param_norm_type=norm_type)
+    for done, (step, path, snapshot) in enumerate(chosen, 1):
         stats = snapshot_stats(snapshot, (norm_type,))
         history.steps.append(step)
         history.paths.append(path)
         history.totals.append(stats.norm(norm_type))
         history.total_zeros.append(stats.zeros)
+        history.logged.append(None)
         history.triggers.append(snapshot.files[0].header.triggers)
         for param in stats.params:
-            series = history.params.setdefault(param.name, ParamSeries(param.name, param.numel))
-            _extend(series, step, param.norm(norm_type), param.zeros, factor, zeros_change)
-        if on_snapshot is not None:
-            on_snapshot(path)
+            series = history.params.get(param.name)
+            if series is None:
+                series = history.params[param.name] = ParamSeries(
+                    param.name, param.numel, param.expert
+                )
+            nan = sum(found.nan for found in stats.nonfinite if found.name == param.name)
+            inf = sum(found.inf for found in stats.nonfinite if found.name == param.name)
+            series.add(step, param.norm(norm_type), param.zeros, nan=nan, inf=inf)
+        if on_progress is not None:
+            on_progress(done, len(chosen), "snapshots")
     return history
 
 
-def _extend(
-    series: ParamSeries, step: int, norm: float, zeros: int, factor: float, zeros_change: float
-) -> None:
-    if series.jump_step is None:
-        kind = None
-        earlier = [value for value in series.norms if math.isfinite(value)]
-        if not math.isfinite(norm):
-            kind = "nonfinite"
-        elif earlier and norm > factor * statistics.median(earlier):
-            kind = "norm"
-        elif series.zeros and _zeros_moved(series.zeros, zeros, zeros_change * series.numel):
-            kind = "zeros"
-        if kind is not None:
-            series.jump_step, series.jump_kind = step, kind
-    series.norms.append(norm)
-    series.zeros.append(zeros)
+def _from_log(
+    root: Path,
+    log: Path,
+    norm_type: float | None,
+    since: int | None,
+    until: int | None,
+    on_progress: Callable[[int, int, str], None] | None,
+    report: Callable[[str], None] | None,
+) -> History:
+    from gradstat.recorder.log import read_log
+    from gradstat.recorder.snapshots import complete_snapshots, snapshot_name
+    from gradstat.recorder.triggers import TRIGGERS
+
+    problems: list[str] = []
+
+    def damaged(line: str) -> None:
+        problems.append(line)
+        if report is not None:
+            report(line)
+
+    latest: dict[int, Any] = {}  # step: its latest record (a replayed step's last one wins)
+    recorded_norm_type = None
+    size, told = log.stat().st_size, 0
+    for start, record in read_log(log, damaged):
+        recorded_norm_type = start.norm_type
+        if _within(record.step, since, until):
+            latest[record.step] = record
+        if on_progress is not None and record.end_offset - told >= _PROGRESS_BYTES:
+            told = record.end_offset
+            on_progress(told, size, "bytes")
+    if on_progress is not None:
+        on_progress(size, size, "bytes")
+    if recorded_norm_type is None:
+        raise SnapshotError(f"{log}: no step recorded")
+    if norm_type is not None and norm_type != recorded_norm_type:
+        raise SnapshotError(
+            f"{log}: the recorder logged the {_p(recorded_norm_type)} norm (and L2 per "
+            f"parameter); -p {_p(norm_type)} needs the snapshots: --source snapshots"
+        )
+    if not latest:
+        raise SnapshotError(f"{log}: no step recorded from step {since} to {until}")
+    kept = {path.name: path for _, path in complete_snapshots(root)}
+    history = History(recorded_norm_type, "log", param_norm_type=2.0, problems=problems)
+    for step in sorted(latest):
+        record = latest[step]
+        triggers = tuple(name for bit, name in enumerate(TRIGGERS) if record.triggers >> bit & 1)
+        path = None
+        if record.repeat >= 0:
+            path = kept.get(snapshot_name(step, record.repeat))
+        history.steps.append(step)
+        history.totals.append(record.norm)
+        history.logged.append(record.logged)
+        history.triggers.append(triggers)
+        history.paths.append(path)
+        history.total_zeros.append(_add_params(history, record))
+    return history
 
 
-def _zeros_moved(earlier: list[int], zeros: int, elements: float) -> bool:
-    """Whether ``zeros`` left the baseline of the ``earlier`` counts: by more than ``elements``
-    and by a factor of two at least (a count that doubles or halves, or leaves zero)."""
-    baseline = statistics.median(earlier)
-    if abs(zeros - baseline) <= elements:
-        return False
-    return zeros >= 2 * baseline or 2 * zeros <= baseline
+def _add_params(history: History, record: Any) -> int | None:
+    """Add a log record's per-parameter statistics; its total zero count (None: none held)."""
+    if record.norms is None:
+        return None
+    total = 0
+    for index, name in enumerate(record.names):
+        norm = record.norms[index]
+        if norm < 0:
+            continue  # no gradient at this step
+        series = history.params.get(name)
+        if series is None:
+            series = history.params[name] = ParamSeries(name, 0, record.expert[index])
+        nan, inf = record.nan.get(index, 0), record.inf.get(index, 0)
+        zeros = record.zeros[index]
+        series.numel = max(series.numel, record.numel[index] if record.numel else 0)
+        series.add(record.step, norm, zeros, record.max_abs[index], nan, inf)
+        total += zeros
+    return total
+
+
+def _p(norm_type: float) -> str:
+    return "inf" if norm_type == math.inf else f"{norm_type:g}"
+
+
+def _rolling_median(values: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each position, the median of the previous ``window`` non-NaN values and how many
+    there were (NaN and 0 at the start)."""
+    padded = torch.cat([torch.full((window,), math.nan, dtype=values.dtype), values[:-1]])
+    windows = padded.unfold(0, window, 1)  # windows[i]: values[i - window : i]
+    finite = (~windows.isnan()).sum(dim=1)
+    return windows.nanmedian(dim=1).values, finite
+
+
+def _find_jump(series: ParamSeries, factor: float, window: int, zeros_change: float) -> None:
+    """Set the series' first jump (module's docstring)."""
+    if not series.steps:
+        return
+    norms = torch.tensor(series.norms, dtype=torch.float64)
+    bad = ~torch.isfinite(norms) | (torch.tensor(series.nan) > 0) | (torch.tensor(series.inf) > 0)
+    baseline, count = _rolling_median(torch.where(bad, math.nan, norms), window)
+    enough = count >= _MIN_BASELINE
+    above = enough & ~bad & (norms > factor * baseline)
+    zeros = torch.tensor(series.zeros, dtype=torch.float64)
+    zero_base, zero_count = _rolling_median(zeros, window)
+    moved = (zeros - zero_base).abs() > zeros_change * max(series.numel, 1)
+    doubled = (zeros >= 2 * zero_base) | (2 * zeros <= zero_base)
+    shifted = (zero_count >= _MIN_BASELINE) & moved & doubled
+    kinds = (("nonfinite", bad), ("norm", above), ("zeros", shifted))
+    first = [(int(mask.nonzero()[0]), kind) for kind, mask in kinds if bool(mask.any())]
+    if not first:
+        return
+    index, kind = min(first, key=lambda found: (found[0], JUMP_KINDS.index(found[1])))
+    series.jump_step, series.jump_kind = series.steps[index], kind
+    if kind == "norm":
+        base = float(baseline[index])
+        series.jump_ratio = float(norms[index]) / base if base > 0 else math.inf

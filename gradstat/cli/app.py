@@ -924,20 +924,46 @@ def history(
     root: Annotated[
         Path,
         typer.Argument(
-            help="A directory of one run's snapshots (the flight recorder's step-N, or any).",
+            help="A run directory (the flight recorder's: its telemetry log and step-N "
+            "snapshots), or any directory of snapshots.",
             show_default=False,
         ),
     ],
     norm_type: Annotated[
-        str, typer.Option("--norm-type", "-p", help="2, 1, inf, or any number p > 0.")
-    ] = "2",
+        str | None,
+        typer.Option(
+            "--norm-type", "-p", help="Snapshots: 2, 1, inf or any p > 0 (a log holds its own)."
+        ),
+    ] = None,
     factor: Annotated[
         float,
-        typer.Option("--factor", help="A jump: the norm above this many times its earlier median."),
+        typer.Option("--factor", help="A jump: the norm above this many times its median."),
     ] = 10.0,
+    window: Annotated[
+        int,
+        typer.Option("--window", min=1, help="Steps the median looks back over."),
+    ] = 50,
+    since: Annotated[
+        int | None, typer.Option("--since", min=0, help="Only steps from this one on.")
+    ] = None,
+    until: Annotated[
+        int | None, typer.Option("--until", min=0, help="Only steps up to this one.")
+    ] = None,
+    source: Annotated[
+        str,
+        typer.Option("--source", help="auto (the log when there is one), log or snapshots."),
+    ] = "auto",
     top: Annotated[
         int | None,
         typer.Option("--top", min=1, help="Parameters in the table (20 unless given)."),
+    ] = None,
+    plot: Annotated[
+        Path | None,
+        typer.Option("--plot", help="Write a PNG (or .svg) of the total and the top parameters."),
+    ] = None,
+    tensorboard: Annotated[
+        Path | None,
+        typer.Option("--tensorboard", help="Write TensorBoard event files into this directory."),
     ] = None,
     as_json: JsonOption = False,
     tp_sharded: TpShardedOption = None,
@@ -947,20 +973,58 @@ def history(
     tied_output: TiedOutputOption = "auto",
     status_file: StatusFileOption = None,
 ) -> None:
-    """Norms and zero counts over a run's snapshots, and where each parameter first jumped.
+    """The total norm and every parameter over a run's steps, and where each first jumped.
 
-    Each snapshot is read once, in step order; hidden ones (.step-*.partial) are skipped. Exit
+    Reads the flight recorder's telemetry log when the directory has one (every recorded
+    step), else its snapshots, each once, in step order (hidden .step-*.partial ones are
+    skipped). Parameters that jumped come first, the one that moved first at the top. Exit
     status 1 when a parameter's norm went NaN or Inf.
     """
-    from gradstat.analysis.history import read_history
-    from gradstat.cli.render import print_history
+    from gradstat.analysis.history import SOURCES, read_history
+    from gradstat.cli.render import print_history, visible
+    from gradstat.distributed.runner import Progress
 
-    p = _parse_norm_type(norm_type)
+    p = None if norm_type is None else _parse_norm_type(norm_type)
     if not (math.isfinite(factor) and factor > 1):
         raise GradstatError(f"--factor must be a number > 1, got {factor}")
+    if source not in SOURCES:
+        raise GradstatError(f"--source must be one of {', '.join(SOURCES)}, got {source!r}")
+    if since is not None and until is not None and since > until:
+        raise GradstatError(f"--since {since} is after --until {until}")
+    session = _session()
+    console = Console(stderr=True)
+    bars = None
+    if not as_json and console.is_interactive:
+        from gradstat.cli.render import ProgressBars
+
+        bars = session.bars = ProgressBars(console)
+
+    def progress(done: int, total: int, unit: str) -> None:
+        if bars is None:
+            return
+        if unit == "bytes":
+            bars(Progress(f"reading {root.name}", 0, 1, "log", done, total))
+        else:
+            bars(Progress(f"reading {root.name}", done, total, unit))
+
     found = read_history(
-        root, p, factor=factor, options=_layout(tp_sharded, tp_replicated, etp, gtp, tied_output)
+        root,
+        p,
+        factor=factor,
+        window=window,
+        since=since,
+        until=until,
+        source=source,
+        on_progress=progress,
+        report=lambda line: typer.echo(f"gradstat: warning: {visible(line)}", err=True),
+        options=_layout(tp_sharded, tp_replicated, etp, gtp, tied_output),
     )
+    session.stop_progress()
+    if plot is not None or tensorboard is not None:
+        from gradstat.cli.pictures import write_pictures
+
+        write_pictures(found, plot, tensorboard, top or 8, progress)
+        session.stop_progress()
     _emit(as_json, found.to_json(), lambda console: print_history(console, found, top or 20))
     if any(series.jump_kind == "nonfinite" for series in found.params.values()):
         raise typer.Exit(EXIT_FINDINGS)

@@ -11,8 +11,9 @@ not fit is printed wider than the terminal (``_print_table``). Importing this mo
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -524,41 +525,70 @@ def _triggered(history: History) -> str:
 
 def print_history(console: Console, history: History, top: int | None = 20) -> None:
     """The total norm as a sparkline, what took the snapshots, then the parameters that jumped
-    (non-finite first, then norm, then zero count; each kind earliest first) and the largest
-    of the rest, each with its own sparkline."""
+    (the one that moved first at the top) and the largest of the rest, each with its own
+    sparkline."""
     totals = history.totals
     finite = [value for value in totals if math.isfinite(value)]
     span = f"{min(finite):.6g} .. {max(finite):.6g}" if finite else "no finite norm"
-    console.print(
-        f"{_count(len(history.steps), 'snapshot')}, steps {history.steps[0]} .. "
-        f"{history.steps[-1]}; total norm ({span}): {sparkline(totals)}"
-    )
+    steps = f"steps {history.steps[0]} .. {history.steps[-1]}"
+    if history.source == "log":
+        kept = len(history.snapshot_rows())
+        counted = f"{_count(len(history.steps), 'step')} in the log, {steps}"
+        counted += f", {_count(kept, 'snapshot')} kept"
+    else:
+        counted = f"{_count(len(history.steps), 'snapshot')}, {steps}"
+    console.print(f"{counted}; total norm ({span}): {sparkline(_sampled(totals))}")
     triggered = _triggered(history)
     if triggered:
         console.print(f"taken by the flight recorder's triggers: {_shown(triggered)}")
+    mismatched = [
+        index
+        for index, logged in enumerate(history.logged)
+        if logged is not None and "mismatch" in history.triggers[index]
+    ]
+    if mismatched:
+        at = ", ".join(str(history.steps[index]) for index in mismatched[:5])
+        console.print(f"the logged norm disagreed with the exact one from step(s) {at}")
     jumped = history.jumped()
     rest = sorted(
         (series for series in history.params.values() if series.jump_step is None),
-        key=lambda series: (
-            -max((norm for norm in series.norms if math.isfinite(norm)), default=0.0)
-        ),
+        key=lambda series: -series.peak(),
     )
     rows = jumped + rest
-    table = Table(title="per parameter, jumps first")
+    table = Table(title="per parameter, the first to jump first")
     table.add_column("parameter", no_wrap=True)
     for column in ("first jump", "first norm", "last norm", "norm over steps"):
         table.add_column(column, justify="right", no_wrap=column == "norm over steps")
     shown = rows if top is None else rows[:top]
     for series in shown:
         jump = "" if series.jump_step is None else f"{series.jump_kind} at {series.jump_step}"
+        if series.jump_ratio is not None and math.isfinite(series.jump_ratio):
+            jump += f" ({series.jump_ratio:.3g}x)"
         table.add_row(
             _shown(series.name),
             jump,
             _number(series.norms[0]),
             _number(series.norms[-1]),
-            sparkline(series.norms),
+            sparkline(_sampled(series.norms)),
         )
     _print_table(console, table)
     if len(rows) > len(shown):
         more = _count(len(rows) - len(shown), "more parameter")
         console.print(f"{more} (--top, or --json for all)")
+
+
+_SPARK_WIDTH = 60
+
+
+def _sampled(values: Sequence[float]) -> list[float]:
+    """At most ``_SPARK_WIDTH`` values for a sparkline: the largest of each stretch (a NaN
+    kept), so that a one-step spike in a long history still shows."""
+    if len(values) <= _SPARK_WIDTH:
+        return list(values)
+    size = len(values)
+    bounds = [size * index // _SPARK_WIDTH for index in range(_SPARK_WIDTH + 1)]
+    stretches = [values[low:high] for low, high in itertools.pairwise(bounds)]
+    return [
+        math.nan if any(math.isnan(value) for value in stretch) else max(stretch)
+        for stretch in stretches
+    ]

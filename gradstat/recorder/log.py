@@ -29,6 +29,7 @@ none; ``triggers`` has bit i set for trigger i of :data:`~gradstat.recorder.trig
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import mmap
@@ -230,11 +231,13 @@ class StepRecordData:
     repeat: int  # the snapshot's repeat index, -1: none
     names: tuple[str, ...]  # the layout's names (empty: the norm only)
     expert: tuple[bool, ...]
+    numel: tuple[int, ...] | None  # each name's elements, as the layout gives them
     norms: array[float] | None  # -1: no gradient
     max_abs: array[float] | None
     zeros: list[int] | None
     nan: dict[int, int]  # index: count, where non-zero
     inf: dict[int, int]
+    end_offset: int = 0  # where the record ends in the file
 
 
 class _Damage:
@@ -253,6 +256,7 @@ def _parse_step(
     step, norm, logged, triggers, repeat, count = _STEP.unpack_from(payload, 0)
     names: tuple[str, ...] = ()
     expert: tuple[bool, ...] = ()
+    numel = None
     norms = peaks = None
     zeros = None
     nan: dict[int, int] = {}
@@ -263,6 +267,8 @@ def _parse_step(
                 f"step {step} holds {count} names and no layout of as many precedes it"
             )
         names, expert = tuple(layout["names"]), tuple(layout["expert"])
+        if layout.get("numel") is not None:
+            numel = tuple(int(value) for value in layout["numel"])
         offset = _STEP.size
         norms = array("d")
         norms.frombytes(payload[offset : offset + 8 * count])
@@ -296,6 +302,7 @@ def _parse_step(
         repeat=repeat,
         names=names,
         expert=expert,
+        numel=numel,
         norms=norms,
         max_abs=peaks,
         zeros=zeros,
@@ -358,12 +365,16 @@ def _records(
                 layout = None
             elif kind == _LAYOUT:
                 layout = json.loads(payload)
-                if len(layout["names"]) != len(layout["expert"]):
-                    raise ValueError("names and expert flags differ in number")
+                numel = layout.get("numel")
+                if len(layout["expert"]) != len(layout["names"]) or (
+                    numel is not None and len(numel) != len(layout["names"])
+                ):
+                    raise ValueError("a layout whose lists differ in length")
             elif kind == _STEP_KIND:
                 if start is None:
                     raise ValueError("a step record before any start record")
-                yield start, _parse_step(payload, start, layout)
+                record = _parse_step(payload, start, layout)
+                yield start, dataclasses.replace(record, end_offset=offset)
             else:
                 raise ValueError(f"unknown record kind {kind}")
         except (ValueError, KeyError, TypeError, struct.error) as error:

@@ -23,7 +23,7 @@ from gradstat.recorder.log import LogWriter, step_payload
 from gradstat.recorder.messages import warn
 from gradstat.recorder.model import Gradients
 from gradstat.recorder.snapshots import Snapshots
-from gradstat.recorder.telemetry import ParamsAtStep, Telemetry
+from gradstat.recorder.telemetry import Layout, ParamsAtStep, Telemetry
 from gradstat.recorder.triggers import TRIGGERS, Triggers
 
 __all__ = ["Recorder", "StepRecord"]
@@ -203,6 +203,7 @@ class Recorder:
         )
         self.attempt = self._snapshots.attempt = f"{attempt:010x}"
         self._log = None
+        self._layout_numel: tuple[Layout, tuple[int, ...]] | None = None
         if rank == 0:
             start = {
                 "attempt": self.attempt,
@@ -266,8 +267,6 @@ class Recorder:
         steps_agree = low == top
         if telemetry is not None and before["changed"]:
             telemetry.agree()
-            if self._log is not None:
-                self._log.layout(telemetry.layout.names, telemetry.layout.expert, None)
         norm = self.norm()
         params = None
         if telemetry is not None and steps_agree and telemetry.due(number):
@@ -303,6 +302,8 @@ class Recorder:
     def _params(self, step: int, norm: float) -> ParamsAtStep | None:
         assert self._telemetry is not None
         params = self.params = self._telemetry.measure()
+        if params is not None and self._log is not None:
+            self._log_layout(self._log, params)
         if params is None or self.norm_type != 2 or not math.isfinite(norm):
             return params
         total = params.total()
@@ -314,6 +315,19 @@ class Recorder:
                 f"{norm:.9g}: pass group=, coords= or mesh= so that both count the same copies"
             )
         return params
+
+    def _log_layout(self, log: LogWriter, params: ParamsAtStep) -> None:
+        """Give the log the layout of ``params`` where it changed: other names, or a name
+        with more elements than before (a gradient absent somewhere, numel 0, changes none)."""
+        known = self._layout_numel
+        if known is None or known[0] is not params.layout:
+            numel = params.numel
+        else:
+            numel = tuple(max(pair) for pair in zip(known[1], params.numel, strict=True))
+            if numel == known[1]:
+                return
+        self._layout_numel = (params.layout, numel)
+        log.layout(params.layout.names, params.layout.expert, numel)
 
     def _mismatch(
         self, norm: float, logged: float | None, before: dict[str, int]
