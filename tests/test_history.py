@@ -45,11 +45,13 @@ def _run(root: Path) -> dict[int, dict[str, torch.Tensor]]:
     return seen
 
 
-def test_series_and_first_jumps(tmp_path: Path) -> None:
+@pytest.mark.parametrize("source", ["log", "snapshots"])
+def test_series_and_first_jumps(tmp_path: Path, source: str) -> None:
     seen = _run(tmp_path)
     # A snapshot left incomplete (hidden) is skipped, not read as a step.
     shutil.copytree(tmp_path / "step-00000003", tmp_path / ".step-00000012.partial")
-    history = read_history(tmp_path)
+    history = read_history(tmp_path, source=source)
+    assert history.source == source
     assert history.steps == list(range(1, STEPS + 1))
     for index, step in enumerate(history.steps):
         for name, grad in seen[step].items():
@@ -67,19 +69,24 @@ def test_series_and_first_jumps(tmp_path: Path) -> None:
     assert jumps["0.bias"] == (None, None)
     document = json.loads(json.dumps(history.to_json(), allow_nan=False))
     assert document["snapshots"][NAN_AT - 1]["total_norm"] == "nan"
+    assert [row["step"] for row in document["snapshots"]] == list(range(1, STEPS + 1))
     assert len(document["params"]) == 4
+    nan_row = next(row for row in document["params"] if row["name"] == "2.weight")
+    assert nan_row["num_nan"][NAN_AT - 1] == 1 and sum(nan_row["num_nan"]) == 1
 
 
 def test_two_snapshots_of_one_step_are_refused(tmp_path: Path) -> None:
     _run(tmp_path)
     shutil.copytree(tmp_path / "step-00000003", tmp_path / "copy-of-3")
     with pytest.raises(SnapshotError, match="step 3 is also the step of"):
-        read_history(tmp_path)
+        read_history(tmp_path, source="snapshots")
 
 
 def test_no_snapshots_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(SnapshotError, match="no snapshot directories"):
         read_history(tmp_path)
+    with pytest.raises(SnapshotError, match="no telemetry log"):
+        read_history(tmp_path, source="log")
 
 
 def test_sparkline() -> None:
@@ -99,18 +106,28 @@ def _gradstat(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_the_history_command_names_the_step_and_the_parameter(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("source", "first_line"),
+    [
+        ("log", f"{STEPS} steps in the log, steps 1 .. {STEPS}, {STEPS} snapshots kept"),
+        ("snapshots", f"{STEPS} snapshots, steps 1 .. {STEPS}"),
+    ],
+)
+def test_the_history_command_names_the_step_and_the_parameter(
+    tmp_path: Path, source: str, first_line: str
+) -> None:
     _run(tmp_path)
-    table = _gradstat("history", str(tmp_path))
+    table = _gradstat("history", str(tmp_path), "--source", source)
     assert table.returncode == 1, "a parameter went NaN: findings"
     lines = table.stdout.splitlines()
-    assert f"{STEPS} snapshots, steps 1 .. {STEPS}" in lines[0]
+    assert first_line in lines[0]
     spike_row = next(line for line in lines if "0.weight" in line)
     assert f"norm at {SPIKE_AT}" in spike_row
     assert f"nonfinite at {NAN_AT}" in next(line for line in lines if "2.weight" in line)
-    document = json.loads(_gradstat("history", str(tmp_path), "--json").stdout)
+    document = json.loads(_gradstat("history", str(tmp_path), "--json", "--source", source).stdout)
     jumps = {row["name"]: row["first_jump"] for row in document["params"]}
-    assert jumps["0.weight"] == {"step": SPIKE_AT, "kind": "norm"}
+    assert jumps["0.weight"]["step"] == SPIKE_AT and jumps["0.weight"]["kind"] == "norm"
+    assert jumps["0.weight"]["ratio"] > 100
     assert len(document["snapshots"]) == STEPS
 
 

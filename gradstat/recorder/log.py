@@ -396,10 +396,13 @@ def _frame_at(data: mmap.mmap, offset: int, size: int) -> tuple[int, bytes] | st
     if head_crc != zlib.crc32(head):
         return "a record head whose checksum fails"
     end = head_end + length + _CRC.size
+    # A record cut short, then followed by another run's records, holds the next one's start.
+    torn = "a torn record: a job stopped mid-write and a later one appended after it"
     if end > size:
-        return "a torn last record: the job stopped mid-write"
+        inside = data.find(_MAGIC, head_end, size)
+        return "a torn last record: the job stopped mid-write" if inside < 0 else torn
     payload = data[head_end : head_end + length]
     (crc,) = _CRC.unpack(data[end - _CRC.size : end])
     if crc != zlib.crc32(payload):
-        return "a record whose checksum fails"
+        return torn if data.find(_MAGIC, head_end, end) >= 0 else "a record whose checksum fails"
     return kind, payload
