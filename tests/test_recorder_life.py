@@ -193,8 +193,8 @@ def test_history_reads_a_replayed_steps_snapshots_in_the_order_written(tmp_path:
             _backward(model, scale * torch.ones(2, 3))
             recorder.step(step)
             expected.append((step, _exact_norm(_grads(model))))
-    history = read_history(tmp_path)
-    assert [path.name for path in history.paths] == [
+    history = read_history(tmp_path, source="snapshots")
+    assert [path.name for path in history.paths if path is not None] == [
         "step-00000005",
         "step-00000006",
         "step-00000006.1",
@@ -203,6 +203,11 @@ def test_history_reads_a_replayed_steps_snapshots_in_the_order_written(tmp_path:
     assert history.steps == [5, 6, 6, 6]
     for total, (_, norm) in zip(history.totals, sorted(expected, key=lambda e: e[0]), strict=True):
         assert math.isclose(total, norm, rel_tol=1e-7)
+    # The log keeps a replayed step's latest record, linked to the snapshot that record took.
+    logged = read_history(tmp_path)
+    assert logged.steps == [5, 6]
+    assert [path.name for path in logged.paths if path] == ["step-00000005", "step-00000006.2"]
+    assert math.isclose(logged.totals[1], expected[-1][1], rel_tol=1e-12)
 
 
 def test_every_failure_on_the_writer_thread_is_one_warning_line(

@@ -99,9 +99,13 @@ class Gradients:
             held.append((name, item))
         return held
 
-    def norm(self, norm_type: float, group: dist.ProcessGroup | None) -> float:
-        """The global norm of the gradients as they are now (a collective: every rank calls)."""
-        items = self.items()
+    def norm(
+        self, norm_type: float, group: dist.ProcessGroup | None, items: Sequence[Any] | None = None
+    ) -> float:
+        """The global norm of the gradients as they are now (a collective: every rank calls);
+        of ``items`` when the caller walked the model already this step."""
+        if items is None:
+            items = self.items()
         megatron = megatron_state()
         if megatron is None:
             if self.grad_attr == "grad":

@@ -30,8 +30,21 @@ __all__ = ["Recorder", "StepRecord"]
 
 # The agreement before the norm: the step (max, and min negated), a rank still writing, a rank
 # whose parameters changed, the logged norm's bits (max, min negated) and whether one was given.
-_BEFORE = ("top", "low", "busy", "changed", "logged_top", "logged_low", "given_top", "given_low")
+_BEFORE = (
+    "top",
+    "low",
+    "busy",
+    "changed",
+    "held",
+    "logged_top",
+    "logged_low",
+    "given_top",
+    "given_low",
+)
 _TELEMETRY_RTOL = 1e-6  # per-parameter squares against the recorder's norm
+# The norm is taken from the per-parameter sums once both ways agreed for the parameters as
+# they are, and computed both ways again every this many recorded steps.
+_CHECK_EVERY = 100
 
 
 @dataclass(frozen=True)
@@ -198,6 +211,8 @@ class Recorder:
         }
         self._said_steps_differ = False
         self._said_totals_differ = False
+        self._measured = 0  # recorded steps with per-parameter statistics
+        self._verified = -1  # the telemetry's version for which both norms agreed
         _, attempt = self._agreement.exchange(
             "construction", [0], lambda _: [self._snapshots.begin()], 1
         )
@@ -253,9 +268,10 @@ class Recorder:
         telemetry = self._telemetry
         bits = -1 if logged is None else _bits(logged)
         given = int(logged is not None)
-        changed = telemetry is not None and telemetry.changed()
+        items = self._gradients.items()  # the model walked once this step
+        changed, held = (False, False) if telemetry is None else telemetry.changed(items)
         # Before the norm, whose collective would wait for a missing rank without a bound.
-        values = [number, -number, int(self._snapshots.busy), int(changed)]
+        values = [number, -number, int(self._snapshots.busy), int(changed), int(held)]
         before = dict(
             zip(
                 _BEFORE,
@@ -266,11 +282,11 @@ class Recorder:
         low, top = -before["low"], before["top"]
         steps_agree = low == top
         if telemetry is not None and before["changed"]:
-            telemetry.agree()
-        norm = self.norm()
-        params = None
-        if telemetry is not None and steps_agree and telemetry.due(number):
-            params = self._params(number, norm)
+            telemetry.agree(items)
+        elif telemetry is not None and before["held"]:
+            telemetry.refresh(items)
+        due = telemetry is not None and steps_agree and telemetry.due(number)
+        norm, params = self._norm_and_params(number, items, due)
         mismatch, why = self._mismatch(norm, logged, before)
         agreed = steps_agree and not before["busy"]
 
@@ -299,21 +315,51 @@ class Recorder:
             self._log.step(payload, params is not None)
         return norm
 
-    def _params(self, step: int, norm: float) -> ParamsAtStep | None:
-        assert self._telemetry is not None
-        params = self.params = self._telemetry.measure()
-        if params is not None and self._log is not None:
-            self._log_layout(self._log, params)
+    def _norm_and_params(
+        self, step: int, items: list[Any], due: bool
+    ) -> tuple[float, ParamsAtStep | None]:
+        """The step's norm, and its per-parameter statistics when ``due`` (collectives: every
+        rank decides alike, from agreed values).
+
+        An L2 norm over the default groups is the root of the per-parameter squares once the
+        two were computed both ways and agreed for the parameters as they are: one pass over
+        the gradients, not two. Both ways again every ``_CHECK_EVERY`` recorded steps."""
+        telemetry = self._telemetry
+        if telemetry is None or not due:
+            return self._gradients.norm(self.norm_type, self.group, items), None
+        self._measured += 1
+        derived = (
+            self.norm_type == 2
+            and self.group is None
+            and not self._said_totals_differ
+            and self._verified == telemetry.version
+            and self._measured % _CHECK_EVERY != 0
+        )
+        if derived:
+            params = self._measure(telemetry, items)
+            if params is not None:
+                return params.total(), params
+            return self._gradients.norm(self.norm_type, self.group, items), None
+        norm = self._gradients.norm(self.norm_type, self.group, items)
+        params = self._measure(telemetry, items)
         if params is None or self.norm_type != 2 or not math.isfinite(norm):
-            return params
+            return norm, params
         total = params.total()
-        if abs(total - norm) > _TELEMETRY_RTOL * max(norm, total) and not self._said_totals_differ:
+        if abs(total - norm) <= _TELEMETRY_RTOL * max(norm, total):
+            self._verified = telemetry.version
+        elif not self._said_totals_differ:
             self._said_totals_differ = True
             warn(
                 f"step {step}: the per-parameter statistics (counted as gradstat norm counts a "
                 f"snapshot of this step) make a norm of {total:.9g}, the recorder's norm is "
                 f"{norm:.9g}: pass group=, coords= or mesh= so that both count the same copies"
             )
+        return norm, params
+
+    def _measure(self, telemetry: Telemetry, items: list[Any]) -> ParamsAtStep | None:
+        params = self.params = telemetry.measure(items)
+        if params is not None and self._log is not None:
+            self._log_layout(self._log, params)
         return params
 
     def _log_layout(self, log: LogWriter, params: ParamsAtStep) -> None:

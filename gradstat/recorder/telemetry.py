@@ -38,6 +38,7 @@ import torch.distributed as dist
 from gradstat.analysis.stats import Request, counts, tensor_piece
 from gradstat.core import native
 from gradstat.core.groups import AxisPlace, stats_device, to_local
+from gradstat.core.kernels import UNDERFLOW_GUARD
 from gradstat.errors import GradstatError
 from gradstat.recorder.agreement import ready
 from gradstat.recorder.messages import warn
@@ -108,7 +109,24 @@ class _Local:
     expert: list[bool]
     live: _LiveRank
     counted: list[tuple[int, RebuiltParam, str]]  # (item position, param, slot name)
+    padded: list[bool]  # whether a counted tensor may hold GTP padding (not counted)
     slots: list[int]  # agreed slot of each counted tensor
+
+
+def _plain(fused: native.FusedStats) -> bool:
+    """Whether a native pass's sums stand as they are: finite, and not so small that fp32
+    squares may have lost precision (``tensor_stats`` then recomputes in float64)."""
+    if fused.has_nan:
+        return False
+    if fused.max_abs == 0.0:
+        return True
+    return UNDERFLOW_GUARD <= fused.sum_squares < math.inf
+
+
+def _may_pad(param: RebuiltParam) -> bool:
+    return bool(getattr(param, "is_gtp_weight_remat", False)) or (
+        getattr(param, "gtp_pad_zeros", None) is not None
+    )
 
 
 def _digest(names: Sequence[str], expert: Sequence[bool]) -> str:
@@ -146,6 +164,7 @@ class Telemetry:
         self.patterns = tuple(re.compile(pattern) for pattern in groups)
         self.coords, self.mesh, self.group = coords, mesh, group
         self.layout = Layout((), ())
+        self.version = 0  # counts what was worked out again: the same on every rank
         self._local: _Local | None = None
         self._slot: dict[str, int] = {}
 
@@ -155,10 +174,19 @@ class Telemetry:
     def _held(self, items: Sequence[Any]) -> tuple[bool, ...]:
         return tuple(self.gradients.gradient(item) is not None for item in items)
 
-    def changed(self) -> bool:
-        """Whether this rank's parameters changed since the names were last agreed."""
+    def changed(self, items: Sequence[Any]) -> tuple[bool, bool]:
+        """Whether this rank's parameters (``items``, as the model holds them now) changed
+        since the names were last agreed, and whether which of them hold a gradient did."""
         local = self._local
-        return local is None or local.items != tuple(map(id, self.gradients.items()))
+        if local is None or local.items != tuple(map(id, items)):
+            return True, True
+        return False, local.held != self._held(items)
+
+    def refresh(self, items: Sequence[Any]) -> None:
+        """Work out again what this rank counts, the names unchanged (every rank calls it
+        when any rank's gradients came or went: :attr:`version` stays the same everywhere)."""
+        self._local = self._describe(items)
+        self.version += 1
 
     def _slot_name(self, name: str) -> str:
         for pattern in self.patterns:
@@ -167,9 +195,8 @@ class Telemetry:
                 return found.group(0)
         return name
 
-    def _describe(self) -> _Local:
+    def _describe(self, items: Sequence[Any]) -> _Local:
         """This rank's records, what it counts of them, and its slot names."""
-        items = self.gradients.items()
         pairs = self.gradients.dumped_pairs()
         rank, world_size, coords = rank_coords(self.coords, self.mesh)
         records = [param_record(name, item, self.gradients.grad_attr)[0] for name, item in pairs]
@@ -198,12 +225,14 @@ class Telemetry:
             list(names.values()),
             live,
             counted,
+            padded=[_may_pad(param) for _, param, _ in counted],
             slots=[self._slot.get(slot, -1) for _, _, slot in counted],
         )
 
-    def agree(self) -> None:
+    def agree(self, items: Sequence[Any]) -> None:
         """Agree on the names (a collective: every rank calls, when any rank changed)."""
-        local = self._local = self._describe()
+        local = self._local = self._describe(items)
+        self.version += 1
         lists = [(local.names, local.expert)]
         if ready() and dist.get_world_size() > 1:
             digests: list[Any] = [None] * dist.get_world_size()
@@ -224,7 +253,7 @@ class Telemetry:
         self._slot = {name: index for index, name in enumerate(union)}
         local.slots = [self._slot[slot] for _, _, slot in local.counted]
 
-    def measure(self) -> ParamsAtStep | None:
+    def measure(self, items: Sequence[Any]) -> ParamsAtStep | None:
         """This step's statistics of every agreed name (a collective: every rank calls).
 
         None when some rank could not compute its part (its reason is one warning line there):
@@ -232,9 +261,6 @@ class Telemetry:
         """
         local = self._local
         assert local is not None, "agree() comes first"
-        items = self.gradients.items()
-        if self._held(items) != local.held:
-            local = self._local = self._describe()  # the same names: no agreement needed
         width = len(self.layout.names)
         sums = [0.0] * (width * _SUMS + 1)  # the last: ranks that failed
         maxima = [0.0] * width
@@ -262,17 +288,25 @@ class Telemetry:
                     f"{param.name!r}: its gradient's shape {list(grad.shape)} changed without "
                     "its parameter changing; re-agreed at the next step"
                 )
-            param.grad = grad
             grads.append(grad)
         if not grads:
             return
         request = Request.make((2.0, math.inf), zeros=True, device=grads[0].device)
         passes = native.fused_many_f32(grads) if request.one_pass else [None] * len(grads)
-        for (_, param, _), slot, grad, fused in zip(
-            local.counted, local.slots, grads, passes, strict=True
+        for (_, param, _), slot, padded, grad, fused in zip(
+            local.counted, local.slots, local.padded, grads, passes, strict=True
         ):
-            found = tensor_piece(local.live, param, grad, request, fused)
             base = slot * _SUMS
+            if fused is not None and not padded and _plain(fused):
+                # The native pass's float64 sums as they are: what tensor_piece would take.
+                sums[base] += fused.sum_squares
+                sums[base + 1] += fused.zeros
+                sums[base + 4] += grad.numel()
+                maxima[slot] = max(maxima[slot], fused.max_abs)
+                continue
+            param.grad = grad
+            found = tensor_piece(local.live, param, grad, request, fused)
+            param.grad = None  # hold no gradient past the step
             sums[base] += found.norms[0] ** 2
             sums[base + 1] += found.zeros
             if found.nonfinite is not None:
@@ -282,7 +316,6 @@ class Telemetry:
             # A NaN is counted, not maximised: MAX over ranks does not propagate it.
             if found.max_abs is not None and not math.isnan(found.max_abs):
                 maxima[slot] = max(maxima[slot], found.max_abs)
-            param.grad = None  # hold no gradient past the step
 
     def _reduce(self, sums: list[float], maxima: list[float]) -> tuple[list[float], list[float]]:
         if not (ready() and dist.get_world_size() > 1):
