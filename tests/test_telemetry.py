@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import math
 import os
 import subprocess
@@ -16,11 +17,13 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import gradstat
 from gradstat.analysis.history import read_history
 from gradstat.recorder import log as log_module
 from gradstat.recorder.log import LOG_NAME
+from gradstat.testing import Case, launch
 from tests._oracle import float64_norm, zeros_in
 
 
@@ -376,3 +379,97 @@ def test_a_slow_rise_in_one_layer_comes_before_the_spike_it_led_to(tmp_path: Pat
     window = read_history(tmp_path, since=90, until=110)
     assert window.steps == list(range(90, 111))
     assert _gradstat("history", str(tmp_path), "--since", "9", "--until", "3").returncode == 2
+
+
+# --- two ranks --------------------------------------------------------------------------------
+
+
+def _ranks_log_different_norms(rank: int, world_size: int, directory: str) -> Any:
+    """Replicas (plain data parallelism) whose loop logs its norm; at step 3 rank 1 logs
+    another one (the ranks disagree on the norm they clip with)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    lines: list[str] = []
+    handler = _Lines(lines)
+    logging.getLogger("gradstat.recorder").addHandler(handler)
+    recorder = gradstat.Recorder(model, directory, spike=None, finalize_timeout_s=10)
+    for step in range(1, 5):
+        model.zero_grad()
+        model(torch.ones(2, 4) * step).sum().backward()
+        logged = torch.nn.utils.get_total_norm([param.grad for param in model.parameters()])
+        if step == 3 and rank == 1:
+            logged = logged * 1.5
+        recorder.step(step, logged_norm=logged)
+    recorder.wait()
+    logging.getLogger("gradstat.recorder").removeHandler(handler)
+    return [(record.step, record.triggers) for record in recorder.records], lines
+
+
+def _stages(rank: int, world_size: int, directory: str) -> Any:
+    """Two pipeline stages of plain tensors, each rank its own parameters (named by hand):
+    the names agreed are both ranks' lists, each value from the rank that holds it."""
+    torch.manual_seed(rank)
+    weight = torch.nn.Parameter(torch.randn(3 + rank, 2))
+    pairs = [(f"stage{rank}.weight", weight)]
+    recorder = gradstat.Recorder(
+        pairs,
+        directory,
+        spike=None,
+        group=dist.group.WORLD,
+        coords={"pp": [rank, world_size], "dp": [0, 1]},
+    )
+    grads = {}
+    for step in range(1, 4):
+        weight.grad = torch.randn(3 + rank, 2) * step
+        if step == 2 and rank == 1:
+            weight.grad[0, 0] = 0.0
+        norm = recorder.step(step)
+        assert recorder.params is not None
+        grads[step] = weight.grad.clone()
+        everyone: list[Any] = [None] * world_size
+        dist.all_gather_object(everyone, grads[step])
+        expected = {f"stage{index}.weight": _oracle([grad]) for index, grad in enumerate(everyone)}
+        _check(recorder.params, expected)
+        assert math.isclose(norm, float64_norm(everyone, 2), rel_tol=1e-12)
+    return recorder.params.layout.names
+
+
+class _Lines(logging.Handler):
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__()
+        self.lines = lines
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_two_ranks_logged_norms_and_stages(tmp_path: Path) -> None:
+    logged_run, stages_run = tmp_path / "logged", tmp_path / "stages"
+    (tmp_path / "launch").mkdir()
+    report = launch(
+        2,
+        tmp_path / "launch",
+        [
+            Case("logged", _ranks_log_different_norms, str(logged_run)),
+            Case("stages", _stages, str(stages_run)),
+        ],
+        timeout_s=180,
+    )
+    (records0, lines0), (records1, lines1) = report.values("logged")
+    expected = [(1, ()), (2, ()), (3, ("mismatch",)), (4, ())]
+    assert records0 == expected and records1 == expected, "every rank alike"
+    (line,) = lines0
+    assert "step 3: the ranks passed different logged norms" in line
+    assert lines1 == [], "rank 0 says it"
+    (snapshot,) = [path for path in logged_run.iterdir() if path.is_dir()]
+    assert sorted(path.name for path in snapshot.glob("rank-*")) == [
+        "rank-00000.safetensors",
+        "rank-00001.safetensors",
+    ]
+    for names in report.values("stages"):
+        assert names == ("stage0.weight", "stage1.weight")
+    history = read_history(stages_run)
+    assert sorted(history.params) == ["stage0.weight", "stage1.weight"]
+    assert history.params["stage1.weight"].numel == 4 * 2

@@ -74,7 +74,8 @@ def step_number(step: Any) -> int:
 
 def logged_value(value: Any) -> float | None:
     """A norm the framework logged, as a float: a number or a one-element tensor (on any
-    device); None stays None. NaN and inf are kept (a framework may log them).
+    device; a DTensor's full value); None stays None. NaN and inf are kept (a framework may
+    log them).
 
     Raises:
         ArgumentTypeError: a string, a bool, a tensor of more than one element.
@@ -87,7 +88,10 @@ def logged_value(value: Any) -> float | None:
             raise ArgumentTypeError(
                 f"logged_norm must be a number or a one-element tensor, got {value!r}"
             )
-        number = float(value.item())
+        # A DTensor's value is its full tensor's (a pending Partial sum is reduced: every
+        # rank passes its own), never the local shard's.
+        full = getattr(value, "full_tensor", None)
+        number = float((full() if callable(full) else value).item())
     elif isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ArgumentTypeError(f"logged_norm must be a number, got {value!r}")
     else:
