@@ -24,6 +24,8 @@ from gradstat.analysis.history import read_history
 from gradstat.recorder import log as log_module
 from gradstat.recorder.log import LOG_NAME
 from gradstat.testing import Case, launch
+from tests import _torch_native
+from tests._cli import recipe
 from tests._oracle import float64_norm, zeros_in
 
 
@@ -434,6 +436,27 @@ def _stages(rank: int, world_size: int, directory: str) -> Any:
     return recorder.params.layout.names
 
 
+def _recipes_in_fsdp2(rank: int, world_size: int, directory: str) -> Any:
+    """The docs' recipes (setup, then the logged norm) in an FSDP2 loop: torch's own norm of
+    the DTensor gradients is logged and clipped with; it agrees with the exact one."""
+    model, _mesh = _torch_native.build("fsdp2")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    namespace = {"model": model, "directory": directory, "optimizer": optimizer, "torch": torch}
+    exec(recipe("recorder_setup"), namespace)
+    results = []
+    for step in range(1, 4):
+        model.zero_grad()
+        _torch_native.loss_of(model).backward()
+        full = _torch_native.full_gradients(model)
+        exec(recipe("recorder_logged"), namespace | {"step": step, "max_norm": 1e-3})
+        record = namespace["recorder"].records[-1]
+        results.append((record.norm, float64_norm(list(full.values()), 2), record.triggers))
+        after = _torch_native.full_gradients(model)
+        results[-1] += (float64_norm(list(after.values()), 2),)
+        optimizer.step()
+    return results
+
+
 class _Lines(logging.Handler):
     def __init__(self, lines: list[str]) -> None:
         super().__init__()
@@ -454,6 +477,7 @@ def test_two_ranks_logged_norms_and_stages(tmp_path: Path) -> None:
         [
             Case("logged", _ranks_log_different_norms, str(logged_run)),
             Case("stages", _stages, str(stages_run)),
+            Case("fsdp2", _recipes_in_fsdp2, str(tmp_path / "fsdp2")),
         ],
         timeout_s=180,
     )
@@ -473,3 +497,7 @@ def test_two_ranks_logged_norms_and_stages(tmp_path: Path) -> None:
     history = read_history(stages_run)
     assert sorted(history.params) == ["stage0.weight", "stage1.weight"]
     assert history.params["stage1.weight"].numel == 4 * 2
+    for results in report.values("fsdp2"):
+        for norm, expected, triggers, clipped in results:
+            assert math.isclose(norm, expected, rel_tol=1e-9) and triggers == ()
+            assert math.isclose(clipped, 1e-3, rel_tol=1e-4), "clipped with the logged norm"

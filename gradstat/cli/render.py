@@ -558,7 +558,9 @@ def print_history(console: Console, history: History, top: int | None = 20) -> N
     table = Table(title="per parameter, the first to jump first")
     table.add_column("parameter", no_wrap=True)
     for column in ("first jump", "first norm", "last norm", "norm over steps"):
-        table.add_column(column, justify="right", no_wrap=column == "norm over steps")
+        table.add_column(
+            column, justify="right", no_wrap=column in ("first jump", "norm over steps")
+        )
     shown = rows if top is None else rows[:top]
     for series in shown:
         jump = "" if series.jump_step is None else f"{series.jump_kind} at {series.jump_step}"
@@ -577,7 +579,7 @@ def print_history(console: Console, history: History, top: int | None = 20) -> N
         console.print(f"{more} (--top, or --json for all)")
 
 
-_SPARK_WIDTH = 60
+_SPARK_WIDTH = 40
 
 
 def _sampled(values: Sequence[float]) -> list[float]:
