@@ -10,4 +10,4 @@ fi
 # about the machine's own configuration (index folders it lists but lacks, one line per
 # package) would otherwise fill the first screen of the demo.
 .venv/bin/python -m pip install -qq --disable-pip-version-check torch==2.13.0
-.venv/bin/python -m pip install -qq --disable-pip-version-check -e '.[dev,parity]'
+.venv/bin/python -m pip install -qq --disable-pip-version-check -e '.[dev,parity,plot]'
