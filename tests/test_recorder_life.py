@@ -410,10 +410,11 @@ def _steps_apart(rank: int, world_size: int, directory: str) -> Any:
     return records, lines
 
 
-def _a_peer_that_never_comes(rank: int, world_size: int, missing: int) -> Any:
+def _a_peer_that_never_comes(rank: int, world_size: int, arg: tuple[int, str]) -> Any:
     """Rank ``missing`` builds its recorder, then raises in its own code and lives on."""
+    missing, directory = arg
     model = torch.nn.Linear(3, 2)
-    recorder = gradstat.Recorder(model, "unused", spike=None, agree_timeout_s=0.5)
+    recorder = gradstat.Recorder(model, directory, spike=None, agree_timeout_s=0.5)
     if rank == missing:
         time.sleep(2.0)  # alive, and elsewhere, while the other waits at its step
         return None
@@ -472,8 +473,8 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Any
         Case("apart", _steps_apart, str(apart)),
         Case("uneven", _uneven_dtensor_lists, str(root / "uneven")),
         Case("uneven, unbounded", _uneven_unbounded, str(root / "unbounded")),
-        Case("rank 1 missing", _a_peer_that_never_comes, 1),
-        Case("rank 0 missing", _a_peer_that_never_comes, 0),
+        Case("rank 1 missing", _a_peer_that_never_comes, (1, str(root / "missing1"))),
+        Case("rank 0 missing", _a_peer_that_never_comes, (0, str(root / "missing0"))),
     ]
     return resumed, apart, launch(2, run, cases, timeout_s=120)
 

@@ -121,6 +121,7 @@ class History:
 
     norm_type: float
     source: str = "snapshots"  # "log" or "snapshots"
+    root: Path | None = None  # the directory read
     steps: list[int] = field(default_factory=list)
     totals: list[float] = field(default_factory=list)
     total_zeros: list[int | None] = field(default_factory=list)
@@ -261,6 +262,7 @@ def read_history(
         history = _from_log(root, log, norm_type, since, until, on_progress, report)
     else:
         history = _from_snapshots(root, norm_type or 2.0, since, until, on_progress, options)
+    history.root = root
     for series in history.params.values():
         _find_jump(series, factor, window, zeros_change)
     return history

@@ -203,7 +203,7 @@ def _figure(history: History, chosen: list[ParamSeries], progress: Progress) -> 
 
 def _title(history: History, shown: int) -> str:
     source = "telemetry log" if history.source == "log" else "snapshots"
-    where = next((path.parent for path in history.paths if path is not None), None)
+    where = history.root
     first = f"gradstat history of {_legend_text(str(where))}" if where else "gradstat history"
     count = len(history.steps)
     span = f" ({history.steps[0]} .. {history.steps[-1]})" if count > 1 else ""

@@ -20,10 +20,11 @@ Layout (little-endian)::
                extras:u32 then extras x (index:u32 zeros:u64 nan:u64 inf:u64 max_abs:f64)
 
 A step record costs 17 + 36 = 53 bytes, and when it holds the per-parameter statistics 4
-bytes more and 16 per name; an entry whose zero count, maximum (outside float32's exact values) or NaN/Inf
-counts do not fit there is repeated exactly in ``extras`` (36 bytes). ``logged`` is NaN when
-the job logged no norm; ``repeat`` is the snapshot's repeat index (``step-N.repeat``), -1 for
-none; ``triggers`` has bit i set for trigger i of :data:`~gradstat.recorder.triggers.TRIGGERS`.
+bytes more and 16 per name; an entry whose zero count, maximum (outside float32's exact
+values) or NaN/Inf counts do not fit there is repeated exactly in ``extras`` (36 bytes).
+``logged`` is NaN when the job logged no norm; ``repeat`` is the snapshot's repeat index
+(``step-N.repeat``), -1 for none; ``triggers`` has bit i set for trigger i of
+:data:`~gradstat.recorder.triggers.TRIGGERS`.
 """
 
 from __future__ import annotations

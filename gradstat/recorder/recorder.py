@@ -29,13 +29,13 @@ from gradstat.recorder.triggers import TRIGGERS, Triggers
 __all__ = ["Recorder", "StepRecord"]
 
 # The agreement before the norm: the step (max, and min negated), a rank still writing, a rank
-# whose parameters changed, the logged norm's bits (max, min negated) and whether one was given.
+# whose parameters (or gradients present) changed, the logged norm's bits (max, min negated)
+# and whether one was given.
 _BEFORE = (
     "top",
     "low",
     "busy",
     "changed",
-    "held",
     "logged_top",
     "logged_low",
     "given_top",
@@ -269,9 +269,9 @@ class Recorder:
         bits = -1 if logged is None else _bits(logged)
         given = int(logged is not None)
         items = self._gradients.items()  # the model walked once this step
-        changed, held = (False, False) if telemetry is None else telemetry.changed(items)
+        changed = telemetry is not None and telemetry.changed(items)
         # Before the norm, whose collective would wait for a missing rank without a bound.
-        values = [number, -number, int(self._snapshots.busy), int(changed), int(held)]
+        values = [number, -number, int(self._snapshots.busy), int(changed)]
         before = dict(
             zip(
                 _BEFORE,
@@ -283,8 +283,6 @@ class Recorder:
         steps_agree = low == top
         if telemetry is not None and before["changed"]:
             telemetry.agree(items)
-        elif telemetry is not None and before["held"]:
-            telemetry.refresh(items)
         due = telemetry is not None and steps_agree and telemetry.due(number)
         norm, params = self._norm_and_params(number, items, due)
         mismatch, why = self._mismatch(norm, logged, before)

@@ -7,8 +7,9 @@ DTensor gradients by their placements, data-parallel replicas once (a plain opti
 data-parallel rank 0), distributed-optimizer fragments summed into their parameter. So a
 parameter's numbers at a step are those ``gradstat norm`` prints for a snapshot of that step.
 
-The names are agreed once, and again only when some rank's parameters change (a layer added or
-replaced, a gradient that appears or goes): every rank sends a digest of its names, each
+The names are those of the tensors some rank counts (a tied copy or a TP duplicate is none of
+its own). They are agreed once, and again only when some rank's parameters change (a layer
+added or replaced, a gradient that appears or goes): every rank sends a digest of its names, each
 distinct list is broadcast once by its first owner, and every rank takes their union in rank
 order, the order ``gradstat norm`` lists a snapshot's parameters. A name may stand for a group
 (``groups``: regular expressions; a parameter whose name one matches counts under the matched
@@ -174,19 +175,13 @@ class Telemetry:
     def _held(self, items: Sequence[Any]) -> tuple[bool, ...]:
         return tuple(self.gradients.gradient(item) is not None for item in items)
 
-    def changed(self, items: Sequence[Any]) -> tuple[bool, bool]:
-        """Whether this rank's parameters (``items``, as the model holds them now) changed
-        since the names were last agreed, and whether which of them hold a gradient did."""
+    def changed(self, items: Sequence[Any]) -> bool:
+        """Whether this rank's parameters (``items``, as the model holds them now), or which of
+        them hold a gradient, changed since the names were last agreed."""
         local = self._local
         if local is None or local.items != tuple(map(id, items)):
-            return True, True
-        return False, local.held != self._held(items)
-
-    def refresh(self, items: Sequence[Any]) -> None:
-        """Work out again what this rank counts, the names unchanged (every rank calls it
-        when any rank's gradients came or went: :attr:`version` stays the same everywhere)."""
-        self._local = self._describe(items)
-        self.version += 1
+            return True
+        return local.held != self._held(items)
 
     def _slot_name(self, name: str) -> str:
         for pattern in self.patterns:
@@ -213,10 +208,10 @@ class Telemetry:
         names: dict[str, bool] = {}
         counted = []
         for position, record in enumerate(records):
-            slot = self._slot_name(record.name)
-            names.setdefault(slot, record.is_expert)
             param = RebuiltParam(record)
-            if counts(live, param):
+            if counts(live, param):  # a copy counted elsewhere (shared, TP) is no name of its own
+                slot = self._slot_name(record.name)
+                names.setdefault(slot, record.is_expert)
                 counted.append((position, param, slot))
         return _Local(
             tuple(map(id, items)),
