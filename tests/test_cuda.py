@@ -215,3 +215,37 @@ def test_a_prepared_grad_norm_follows_the_gradients_step_by_step() -> None:
     assert norm() == 0.0
     grads[1][2] = 1e-200 if grads[1].dtype == torch.float64 else 1e-30
     assert rel_err(norm(), float(grads[1][2])) <= 1e-6
+
+
+def test_the_recorders_per_parameter_telemetry_on_cuda_equals_float64(tmp_path: Path) -> None:
+    """The recorder on a CUDA model: each parameter's L2, max |x|, zeros and NaN count, and the
+    norm taken from them, against float64 of the gradients copied to the CPU."""
+    import gradstat
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8)
+    ).cuda()
+    recorder = gradstat.Recorder(model, tmp_path, spike=None)
+    for step in range(1, 5):
+        model.zero_grad()
+        model(torch.randn(32, 64, device="cuda")).square().mean().backward()
+        if step == 3:
+            model[0].weight.grad[0, 0] = math.nan
+        norm = recorder.step(step)
+        grads = {name: param.grad.cpu() for name, param in model.named_parameters()}
+        params = recorder.params
+        assert params is not None
+        for index, name in enumerate(params.layout.names):
+            grad = grads[name]
+            expected = float64_norm([grad], 2)
+            got = params.norms[index]
+            assert got is not None
+            if math.isnan(expected):
+                assert math.isnan(got) and params.nan[index] == 1
+            else:
+                assert rel_err(got, expected) <= 1e-9
+                assert params.max_abs[index] == float(grad.abs().max())
+            assert params.zeros[index] == zeros_in([grad])
+        total = float64_norm(list(grads.values()), 2)
+        assert math.isnan(norm) if math.isnan(total) else rel_err(norm, total) <= 1e-9
