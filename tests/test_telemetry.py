@@ -500,3 +500,28 @@ def test_two_ranks_logged_norms_and_stages(tmp_path: Path) -> None:
         for norm, expected, triggers, clipped in results:
             assert math.isclose(norm, expected, rel_tol=1e-9) and triggers == ()
             assert math.isclose(clipped, 1e-3, rel_tol=1e-4), "clipped with the logged norm"
+
+
+def test_values_the_columns_cannot_hold_are_logged_exactly(
+    tmp_path: Path, recorder_warnings: Callable[[], list[str]]
+) -> None:
+    """A float64 gradient's max outside float32's range, and one float32 rounds: the log keeps
+    both exact (its ``extras``), and the norm of 1e300-sized elements too."""
+    huge = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    fine = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    recorder = gradstat.Recorder([("huge", huge), ("fine", fine)], tmp_path, spike=None)
+    huge.grad = torch.tensor([1e300, -3e299, 0.0], dtype=torch.float64)
+    fine.grad = torch.tensor([0.1, -0.3], dtype=torch.float64)
+    recorder.step(1)
+    history = read_history(tmp_path)
+    big, small = history.params["huge"], history.params["fine"]
+    assert big.max_abs == [1e300] and small.max_abs == [0.3]
+    assert big.zeros == [1] and small.zeros == [0]
+    assert math.isclose(big.norms[0], 1e300 * math.sqrt(1 + 0.3**2), rel_tol=1e-12)
+    assert math.isclose(small.norms[0], math.sqrt(0.1**2 + 0.3**2), rel_tol=1e-12)
+    assert math.isclose(recorder.records[-1].norm, math.hypot(big.norms[0], small.norms[0]))
+    huge.grad = torch.tensor([3e-200, 4e-200, 0.0], dtype=torch.float64)  # squares underflow
+    recorder.step(2)
+    assert recorder.params is not None
+    assert math.isclose(recorder.params.norms[0] or 0.0, 5e-200, rel_tol=1e-12)
+    assert recorder_warnings() == [], "the norm and the per-parameter squares agree"

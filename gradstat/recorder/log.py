@@ -65,7 +65,6 @@ _EXTRA = struct.Struct("<IQQQd")
 _START, _LAYOUT, _STEP_KIND = 1, 2, 3
 _NO_GRADIENT = -1.0
 _U32_MAX = 0xFFFFFFFF
-_F32_MAX = 3.4028234663852886e38
 
 
 def _frame(kind: int, payload: bytes) -> bytes:
@@ -84,10 +83,6 @@ def _json(document: dict[str, Any]) -> bytes:
     return json.dumps(document, separators=(",", ":"), allow_nan=False).encode()
 
 
-def _exact_in_f32(value: float) -> bool:
-    return (not math.isfinite(value) or abs(value) <= _F32_MAX) and array("f", [value])[0] == value
-
-
 def step_payload(
     step: int,
     norm: float,
@@ -102,19 +97,18 @@ def step_payload(
     if params is None:
         return _STEP.pack(step, norm, logged_value, triggers, repeat, 0)
     count = len(params.norms)
-    norms = array("d", (_NO_GRADIENT if value is None else value for value in params.norms))
-    peaks = array("f", (min(value, _F32_MAX) for value in params.max_abs))
-    zeros = array("I", (min(value, _U32_MAX) for value in params.zeros))
-    extras = []
-    for index in range(count):
-        nan, inf, zero, peak = (
-            params.nan[index],
-            params.inf[index],
-            params.zeros[index],
-            params.max_abs[index],
+    norms = array("d", [_NO_GRADIENT if value is None else value for value in params.norms])
+    peaks = array("f", params.max_abs)  # beyond float32: inf, and repeated exactly below
+    zeros = array("I", [value if value < _U32_MAX else _U32_MAX for value in params.zeros])
+    # Exact in the columns unless NaN/Inf counted, a count that does not fit, a max that
+    # float32 rounds (a NaN max is never equal to itself: its NaN count is there too).
+    extras = [
+        _EXTRA.pack(index, zero, nan, inf, peak)
+        for index, (nan, inf, zero, peak, stored) in enumerate(
+            zip(params.nan, params.inf, params.zeros, params.max_abs, peaks, strict=True)
         )
-        if nan or inf or zero >= _U32_MAX or not _exact_in_f32(peak):
-            extras.append(_EXTRA.pack(index, zero, nan, inf, peak))
+        if nan or inf or zero >= _U32_MAX or stored != peak
+    ]
     parts = [
         _STEP.pack(step, norm, logged_value, triggers, repeat, count),
         norms.tobytes(),

@@ -16,10 +16,12 @@ order, the order ``gradstat norm`` lists a snapshot's parameters. A name may sta
 text, ``r"layers\\.\\d+"`` giving one row per layer).
 
 At a recorded step every rank adds its counted tensors into two vectors, one entry per agreed
-name: sums (squares, zeros, NaN, Inf, elements) and maxima (|x|), reduced over the world in a
-SUM and a MAX all-reduce: two collectives per step whatever the number of parameters (no
-reduction op does both). Squares are summed in float64 (the native kernel's float64 lanes on
-the CPU): each statistic is float64-exact.
+name: maxima (|x|) and sums (squares, zeros, NaN, Inf, elements), reduced over the world in a
+MAX and then a SUM all-reduce: two collectives per step whatever the number of parameters (no
+reduction op does both). A parameter whose largest element would make squares overflow or
+underflow float64 (a float64 gradient beyond 1e100) has its squares summed relative to that
+element, which the MAX made known to every rank. Squares are summed in float64 (the native
+kernel's float64 lanes on the CPU): each statistic is float64-exact.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from gradstat.snapshot.writer import check_coords, param_record
 __all__ = ["Layout", "ParamsAtStep", "Telemetry"]
 
 _SUMS = 5  # per name: squares, zeros, NaN, Inf, elements
+_OUTSIZED = 1e100
 
 
 @dataclass(frozen=True)
@@ -78,8 +81,13 @@ class ParamsAtStep:
     numel: tuple[int, ...]
 
     def total(self) -> float:
-        """The L2 norm of everything counted, as the sum of the per-name squares."""
-        return math.sqrt(math.fsum(norm * norm for norm in self.norms if norm is not None))
+        """The L2 norm of everything counted: the root of the per-name squares, summed
+        relative to the largest norm (a norm past 1e154 has no float64 square)."""
+        present = [norm for norm in self.norms if norm is not None]
+        peak = max(present, default=0.0)
+        if not (math.isfinite(peak) and peak > 0) or any(map(math.isnan, present)):
+            return math.fsum(present) if present else 0.0  # NaN or inf, as it is
+        return peak * math.sqrt(math.fsum((norm / peak) ** 2 for norm in present))
 
 
 @dataclass(frozen=True)
@@ -112,6 +120,15 @@ class _Local:
     counted: list[tuple[int, RebuiltParam, str]]  # (item position, param, slot name)
     padded: list[bool]  # whether a counted tensor may hold GTP padding (not counted)
     slots: list[int]  # agreed slot of each counted tensor
+
+
+def _scale(peak: float) -> float:
+    """What a parameter's squares are summed relative to: 1, or its largest |x| where squares
+    of its elements could overflow or underflow float64 (a float64 gradient beyond 1e100 or
+    below 1e-100: never one of fp32, bf16 or fp16)."""
+    if math.isfinite(peak) and (peak > _OUTSIZED or 0.0 < peak < 1.0 / _OUTSIZED):
+        return peak
+    return 1.0
 
 
 def _plain(fused: native.FusedStats) -> bool:
@@ -260,21 +277,35 @@ class Telemetry:
         sums = [0.0] * (width * _SUMS + 1)  # the last: ranks that failed
         maxima = [0.0] * width
         failure = None
+        norms: list[tuple[int, float]] = []
         try:
-            self._add_local(local, items, sums, maxima)
-        except (GradstatError, RuntimeError, ValueError) as error:
+            norms = self._add_local(local, items, sums, maxima)
+        except (GradstatError, ArithmeticError, RuntimeError, ValueError) as error:
             failure = error
             sums = [0.0] * (width * _SUMS) + [1.0]
-        summed, maxed = self._reduce(sums, maxima)
+        maxed = self._reduced(maxima, dist.ReduceOp.MAX)
+        scales = [_scale(peak) for peak in maxed]
+        outsized = {slot for slot, scale in enumerate(scales) if scale != 1.0}
+        if outsized and failure is None:
+            # Squares that would overflow (or underflow) float64: summed relative to the
+            # largest element of their parameter, which every rank knows now.
+            for slot in outsized:
+                sums[slot * _SUMS] = 0.0
+            for slot, norm in norms:
+                if slot in outsized:
+                    sums[slot * _SUMS] += (norm / scales[slot]) ** 2
+        summed = self._reduced(sums, dist.ReduceOp.SUM)
         if failure is not None or summed[-1] > 0:
             reason = f" ({failure})" if failure is not None else ""
             warn(f"per-parameter statistics skipped at this step: a rank failed{reason}")
             return None
-        return self._result(summed, maxed)
+        return self._result(summed, maxed, scales)
 
     def _add_local(
         self, local: _Local, items: Sequence[Any], sums: list[float], maxima: list[float]
-    ) -> None:
+    ) -> list[tuple[int, float]]:
+        """Add this rank's counted tensors into ``sums`` and ``maxima``; each tensor's slot
+        and L2 norm."""
         grads = []
         for position, param, _ in local.counted:
             grad = to_local(self.gradients.gradient(items[position]))
@@ -284,8 +315,9 @@ class Telemetry:
                     "its parameter changing; re-agreed at the next step"
                 )
             grads.append(grad)
+        norms: list[tuple[int, float]] = []
         if not grads:
-            return
+            return norms
         request = Request.make((2.0, math.inf), zeros=True, device=grads[0].device)
         passes = native.fused_many_f32(grads) if request.one_pass else [None] * len(grads)
         for (_, param, _), slot, padded, grad, fused in zip(
@@ -298,37 +330,39 @@ class Telemetry:
                 sums[base + 1] += fused.zeros
                 sums[base + 4] += grad.numel()
                 maxima[slot] = max(maxima[slot], fused.max_abs)
+                norms.append((slot, math.sqrt(fused.sum_squares)))
                 continue
             param.grad = grad
             found = tensor_piece(local.live, param, grad, request, fused)
             param.grad = None  # hold no gradient past the step
-            sums[base] += found.norms[0] ** 2
+            norm = found.norms[0]
+            sums[base] += norm * norm  # inf past float64: then summed scaled (measure)
             sums[base + 1] += found.zeros
             if found.nonfinite is not None:
                 sums[base + 2] += found.nonfinite.nan
                 sums[base + 3] += found.nonfinite.inf
             sums[base + 4] += found.numel
+            norms.append((slot, norm))
             # A NaN is counted, not maximised: MAX over ranks does not propagate it.
             if found.max_abs is not None and not math.isnan(found.max_abs):
                 maxima[slot] = max(maxima[slot], found.max_abs)
+        return norms
 
-    def _reduce(self, sums: list[float], maxima: list[float]) -> tuple[list[float], list[float]]:
+    @staticmethod
+    def _reduced(values: list[float], op: Any) -> list[float]:
         if not (ready() and dist.get_world_size() > 1):
-            return sums, maxima
-        device = stats_device([], None)
-        summed = torch.tensor(sums, dtype=torch.float64, device=device)
-        maxed = torch.tensor(maxima, dtype=torch.float64, device=device)
-        dist.all_reduce(summed, op=dist.ReduceOp.SUM)
-        dist.all_reduce(maxed, op=dist.ReduceOp.MAX)
-        return summed.tolist(), maxed.tolist()
+            return values
+        reduced = torch.tensor(values, dtype=torch.float64, device=stats_device([], None))
+        dist.all_reduce(reduced, op=op)
+        return list(reduced.tolist())
 
-    def _result(self, summed: list[float], maxed: list[float]) -> ParamsAtStep:
+    def _result(self, summed: list[float], maxed: list[float], scales: list[float]) -> ParamsAtStep:
         width = len(self.layout.names)
         columns = [summed[offset : width * _SUMS : _SUMS] for offset in range(_SUMS)]
         squares, zeros, nan, inf, numel = columns
         norms = tuple(
-            math.sqrt(square) if elements > 0 or square > 0 else None
-            for square, elements in zip(squares, numel, strict=True)
+            scale * math.sqrt(square) if elements > 0 or square > 0 else None
+            for square, elements, scale in zip(squares, numel, scales, strict=True)
         )
         return ParamsAtStep(
             self.layout,
