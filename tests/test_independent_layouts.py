@@ -24,7 +24,9 @@ from gradstat import testing
 from gradstat.cli import app
 from tests._jobs import (
     EMBEDDING,
+    LAYERS,
     OUTPUT_COPY,
+    ZERO_EXPERT,
     Job,
     dump_layout,
     full_grads,
@@ -93,8 +95,22 @@ def test_independent_layout_rebuilds_to_the_full_gradients(layout: Job, tmp_path
         assert math.isclose(row["norm_a"], float64_norm([grad], 2), rel_tol=1e-6), name
         assert row["zeros_a"] == zeros_in([grad]), name
     code, audit = _cli("audit", str(sharded))
-    assert code == 0 and audit["findings"] == [], audit["findings"]
+    unrouted = _unrouted(layout.moe)
+    assert code == (1 if unrouted else 0), audit["findings"]
+    assert [(item["kind"], item["name"]) for item in audit["findings"]] == unrouted
     assert rel_err(audit["total_norm"], float64_norm(list(grads.values()), 2)) <= 1e-6
+
+
+def _unrouted(moe: bool) -> list[tuple[str, str]]:
+    """audit's finding of the expert no token reaches (ZERO_EXPERT, in every MoE layer)."""
+    if not moe:
+        return []
+    expert = f"mlp.experts[{ZERO_EXPERT}]"
+    return [("expert_never_routed", f"decoder.layers.{layer}.{expert}") for layer in range(LAYERS)]
+
+
+def _without_unrouted(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [item for item in findings if item["kind"] != "expert_never_routed"]
 
 
 def _layout_snapshot(directory: Path, moe: bool, layout: testing.Layout) -> Path:
@@ -221,8 +237,10 @@ def test_a_replica_that_differs_is_found_by_audit_not_by_compare(
     code, report = _cli("compare", str(changed), str(_reference(layout, tmp_path / "ref")))
     assert code == 0 and report["mismatches"] == []
     code, audit = _cli("audit", str(changed))
-    assert code == 1 and len(audit["findings"]) == 1, audit["findings"]
-    (finding,) = audit["findings"]
+    # Besides the MoE layout's expert that no token reaches, one finding: the planted one.
+    found = _without_unrouted(audit["findings"])
+    assert code == 1 and len(found) == 1, audit["findings"]
+    (finding,) = found
     assert finding["kind"] == kind and finding["name"] == name
     assert set(plant.planted["ranks"]) < set(finding["ranks"])
     assert finding["max_abs_diff"] == abs(9.0 - plant.planted["old"][0])

@@ -306,7 +306,13 @@ def test_the_readme_recipe_in_megatron_jobs(world_size: int, tmp_path: Path) -> 
         assert zeros["num_zeros"] == expected_zeros, job.name
         assert zeros["num_elements"] == sum(grad.numel() for grad in truth.values()), job.name
         code, audit = _cli("audit", snapshot)
-        assert code == 0 and audit["findings"] == [], (job.name, audit)
+        # The one finding of a clean MoE job: ZERO_EXPERT, which no token reaches, per layer.
+        unrouted = [
+            ("expert_never_routed", f"decoder.layers.{layer}.mlp.experts[{ZERO_EXPERT}]")
+            for layer in range(LAYERS if job.moe else 0)
+        ]
+        found = [(finding["kind"], finding["name"]) for finding in audit["findings"]]
+        assert code == (1 if unrouted else 0) and found == unrouted, (job.name, audit)
 
         megatron_norm = ranks[0]["megatron_norm"]
         print(

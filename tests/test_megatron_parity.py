@@ -183,7 +183,15 @@ def test_a_snapshot_dumped_from_live_megatron_gives_megatrons_numbers(
     for p, flag in ((1.0, "1"), (math.inf, "inf")):
         other = _cli("norm", str(snapshots / kind), "-p", flag)
         assert rel_err(other["total_norm"], oracle["total"]["norms"][p]) <= SNAPSHOT_RTOL
-    assert _cli("audit", str(snapshots / kind))["findings"] == []
+    # The one finding (exit status 1): the tests' GPT routes no token to ZERO_EXPERT, per layer.
+    audit = run_gradstat("audit", str(snapshots / kind), "--json")
+    assert audit.returncode == 1, audit.stderr
+    found = [(item["kind"], item["name"]) for item in json.loads(audit.stdout)["findings"]]
+    unrouted = f"mlp.experts[{_jobs.ZERO_EXPERT}]"
+    assert found == [
+        ("expert_never_routed", f"decoder.layers.{layer}.{unrouted}")
+        for layer in range(_jobs.LAYERS)
+    ]
 
 
 CP_LAYOUT = Job("tp2-cp2-dp2", tp=2, cp=2, dp=2)

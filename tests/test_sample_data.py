@@ -281,7 +281,11 @@ def test_bugs_snapshot_holds_the_three_planted_bugs(
 
     report = audit_snapshot(Snapshot.open(generated / sample.BUGS), Processes(0, 1))
     found = {finding.kind: finding for finding in report.findings}
-    assert sorted(found) == sorted(sample.BUG_KINDS)
+    # And the expert that no token reaches, which every sample snapshot has.
+    assert len(found) == len(report.findings) == 4
+    assert set(found) == {*sample.BUG_KINDS, "expert_never_routed"}
+    unreached = f"decoder.layers.{sample.MOE_LAYER}.mlp.experts[{sample.UNREACHED_EXPERT}]"
+    assert found["expert_never_routed"].name == unreached
 
     def squares(tensor: torch.Tensor) -> float:
         return float(tensor.double().square().sum())

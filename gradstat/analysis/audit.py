@@ -21,6 +21,15 @@ Kinds of finding:
   (a replicated weight counted once per TP rank);
 - ``gtp_padding_nonzero``: GTP padding elements that are not zero;
 - ``attributes``: attributes that disagree across ranks or with the shapes.
+
+And what the gradients of MoE layers say (experts recognised by name, as
+:mod:`gradstat.analysis.experts` does):
+
+- ``expert_never_routed``: every gradient element of an expert is exactly zero while other
+  experts of its layer have non-zero ones (no token reached it);
+- ``no_gradient``: an expert parameter or a router (every parameter of an expert: one
+  finding) has no gradient on any rank; a dense parameter without one is frozen, not a finding;
+- ``router_zero``: a router's gradient is all zero while its layer's experts have gradients.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gradstat.analysis.experts import expert_issues
 from gradstat.analysis.report import AuditReport, Finding, snapshot_info
 from gradstat.analysis.stats import Request, counts, gather_pieces, merge, nan_max, relative_to
 from gradstat.analysis.tiles import MappedFiles, Tile, box, chunks, snapshot_tiles
@@ -53,6 +63,9 @@ KINDS = (
     "tp_shards_identical",
     "gtp_padding_nonzero",
     "attributes",
+    "expert_never_routed",
+    "no_gradient",
+    "router_zero",
 )
 
 # Attributes every copy and shard of a parameter must agree on.
@@ -444,7 +457,8 @@ def audit_snapshot(
         rtol: copies count as equal when max |a - b| <= rtol * max |x| (0: bitwise equal).
         device: where the global norm is reduced.
     """
-    request = Request.make((2.0,), False, device)
+    # Zero counts too: an expert or router whose gradient is all zero is a finding.
+    request = Request.make((2.0,), True, device)
     stats = merge(gather_pieces(snapshot, request, processes), request)
     total = stats.norm(2.0)
     tiles = snapshot_tiles(snapshot)
@@ -460,6 +474,10 @@ def audit_snapshot(
     findings = [
         _finding(raw, total) for results in gather_jobs(processes, jobs, work) for raw in results
     ]
+    headers = [(rank_file.rank, rank_file.header) for rank_file in snapshot.files]
+    for issue in expert_issues(stats, headers):
+        # Nothing is miscounted: the norm is what it is, only the model's training is off.
+        findings.append(_finding(_raw(issue.kind, issue.name, issue.ranks, issue.detail), total))
     return AuditReport(
         snapshot=snapshot_info(snapshot),
         rtol=rtol,

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from gradstat.analysis.experts import ExpertStats
     from gradstat.analysis.stats import NonFinite, SnapshotStats
     from gradstat.core.placements import MeshPlacement
     from gradstat.snapshot.format import RankHeader
@@ -23,6 +24,8 @@ __all__ = [
     "AuditReport",
     "ClipReport",
     "CompareReport",
+    "ExpertNormRow",
+    "ExpertZerosRow",
     "Finding",
     "InspectReport",
     "NormReport",
@@ -126,6 +129,22 @@ class ParamNormRow:
 
 
 @dataclass(frozen=True)
+class ExpertNormRow:
+    """One expert's part in the norm (``--by expert``), or a summary row's: ``layer`` and
+    ``expert`` are null for the dense parameters' row and the unplaced expert parameters'."""
+
+    name: str  # ``decoder.layers.1.mlp.experts[2]``, or a summary row's label
+    layer: str | None  # the expert module
+    expert: int | None  # the global expert index
+    norm: float
+    share: float | None  # as ParamNormRow's
+    ratio: float
+    num_elements: int
+    params: int  # how many parameters the row combines
+    ranks: int
+
+
+@dataclass(frozen=True)
 class NormReport:
     snapshot: SnapshotInfo
     norm_type: float
@@ -138,6 +157,9 @@ class NormReport:
     clip_coeff: float | None
     params_left_out: int = 0  # rows cut by ``top``
     has_experts: bool = False  # any counted parameter is an expert's: the split means something
+    # Per expert (``--by expert``), by contribution; None unless asked (absent from the JSON).
+    by_expert: tuple[ExpertNormRow, ...] | None = None
+    experts_left_out: int = 0  # expert rows cut by ``top``
 
     @property
     def all_zero(self) -> bool:
@@ -149,7 +171,14 @@ class NormReport:
         data = asdict(self)
         data["norm_type"] = json_number(self.norm_type)
         data["all_zero"] = self.all_zero
+        _drop_unasked(data)
         return dict(jsonable(data))
+
+
+def _drop_unasked(data: dict[str, Any]) -> None:
+    """Without ``--by expert`` the document is what it was before the option existed."""
+    if data["by_expert"] is None:
+        del data["by_expert"], data["experts_left_out"]
 
 
 def _ratio(norm: float, total: float) -> float:
@@ -165,7 +194,7 @@ def _share(norm: float, total: float, norm_type: float) -> float | None:
     return float(_ratio(norm, total) ** norm_type)
 
 
-def _by_contribution(row: ParamNormRow) -> tuple[bool, float]:
+def _by_contribution(row: ParamNormRow | ExpertNormRow) -> tuple[bool, float]:
     # Non-finite parameters first (they are what the user is looking for), then largest first.
     finite = math.isfinite(row.norm)
     return finite, -row.norm if finite else 0.0
@@ -177,11 +206,14 @@ def norm_report(
     norm_type: float,
     max_norm: float | None = None,
     top: int | None = None,
+    by_expert: bool = False,
 ) -> NormReport:
     """The global norm as Megatron computes it, and each parameter's part in it.
 
     Args:
         top: keep the ``top`` largest parameters (non-finite first); None keeps every one.
+        by_expert: also each expert's part (:func:`gradstat.analysis.experts.expert_stats`),
+            its rows cut by ``top`` too.
     """
     from gradstat.clip_grads import clip_coefficient  # torch is loaded by now: stats were computed
 
@@ -201,6 +233,7 @@ def norm_report(
     rows.sort(key=_by_contribution)
     nonfinite = tuple(sorted(stats.nonfinite, key=lambda item: (item.rank, item.name)))
     clip_coeff = None if max_norm is None else clip_coefficient(max_norm, total)
+    experts = _expert_norm_rows(stats, total, norm_type) if by_expert else None
     return NormReport(
         snapshot=snapshot_info(snapshot),
         norm_type=norm_type,
@@ -213,7 +246,34 @@ def norm_report(
         clip_coeff=clip_coeff,
         params_left_out=0 if top is None else max(len(rows) - top, 0),
         has_experts=any(param.expert for param in stats.params),
+        by_expert=None if experts is None else tuple(experts if top is None else experts[:top]),
+        experts_left_out=0 if experts is None or top is None else max(len(experts) - top, 0),
     )
+
+
+def _expert_rows(stats: SnapshotStats) -> list[ExpertStats]:
+    from gradstat.analysis.experts import expert_stats  # torch is loaded: stats were computed
+
+    return expert_stats(stats)
+
+
+def _expert_norm_rows(stats: SnapshotStats, total: float, norm_type: float) -> list[ExpertNormRow]:
+    rows = [
+        ExpertNormRow(
+            name=row.label,
+            layer=row.module,
+            expert=row.index,
+            norm=row.norm(norm_type),
+            share=_share(row.norm(norm_type), total, norm_type),
+            ratio=_ratio(row.norm(norm_type), total),
+            num_elements=row.numel,
+            params=len(row.params),
+            ranks=len(row.ranks),
+        )
+        for row in _expert_rows(stats)
+    ]
+    rows.sort(key=_by_contribution)
+    return rows
 
 
 @dataclass(frozen=True)
@@ -251,6 +311,20 @@ class ParamZerosRow:
 
 
 @dataclass(frozen=True)
+class ExpertZerosRow:
+    """One expert's zeros (``--by expert``), or a summary row's (``layer``, ``expert`` null)."""
+
+    name: str
+    layer: str | None
+    expert: int | None
+    num_zeros: int
+    num_elements: int
+    padding_excluded: int
+    sparsity: float
+    params: int
+
+
+@dataclass(frozen=True)
 class ZerosReport:
     snapshot: SnapshotInfo
     num_zeros: int
@@ -260,6 +334,9 @@ class ZerosReport:
     params: tuple[ParamZerosRow, ...]
     sort: str = "zeros"  # the order of ``params``: one of ZEROS_ORDERS
     params_left_out: int = 0  # rows cut by ``top``
+    # Per expert (``--by expert``), in ``sort`` order; None unless asked (absent from the JSON).
+    by_expert: tuple[ExpertZerosRow, ...] | None = None
+    experts_left_out: int = 0  # expert rows cut by ``top``
 
     @property
     def all_zero(self) -> bool:
@@ -269,6 +346,7 @@ class ZerosReport:
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["all_zero"] = self.all_zero
+        _drop_unasked(data)
         return dict(jsonable(data))
 
 
@@ -286,12 +364,15 @@ def zeros_report(
     stats: SnapshotStats,
     sort: str = "zeros",
     top: int | None = None,
+    by_expert: bool = False,
 ) -> ZerosReport:
     """num_zeros as Megatron counts it (GTP padding excluded), and per parameter.
 
     Args:
         sort: one of ``ZEROS_ORDERS``.
         top: keep the first ``top`` parameters in that order; None keeps every one.
+        by_expert: also each expert's zeros, in the same order (``module``: the experts'
+            order, then the summary rows), cut by ``top`` too.
     """
     if sort not in ZEROS_ORDERS:
         raise ValueError(f"sort must be one of {', '.join(ZEROS_ORDERS)}, got {sort!r}")
@@ -305,10 +386,23 @@ def zeros_report(
         )
         for param in stats.params
     ]
-    if sort == "zeros":
-        rows.sort(key=lambda row: -row.num_zeros)
-    elif sort == "sparsity":
-        rows.sort(key=lambda row: -row.sparsity)
+    _sort_zeros(rows, sort)
+    experts = None
+    if by_expert:
+        experts = [
+            ExpertZerosRow(
+                name=row.label,
+                layer=row.module,
+                expert=row.index,
+                num_zeros=row.zeros,
+                num_elements=row.numel,
+                padding_excluded=row.pad_zeros,
+                sparsity=_sparsity(row.zeros, row.numel),
+                params=len(row.params),
+            )
+            for row in _expert_rows(stats)
+        ]
+        _sort_zeros(experts, sort)
     return ZerosReport(
         snapshot=snapshot_info(snapshot),
         num_zeros=stats.zeros,
@@ -318,7 +412,17 @@ def zeros_report(
         params=tuple(rows if top is None else rows[:top]),
         sort=sort,
         params_left_out=0 if top is None else max(len(rows) - top, 0),
+        by_expert=None if experts is None else tuple(experts if top is None else experts[:top]),
+        experts_left_out=0 if experts is None or top is None else max(len(experts) - top, 0),
     )
+
+
+def _sort_zeros(rows: list[ParamZerosRow] | list[ExpertZerosRow], sort: str) -> None:
+    """In ``sort`` order, in place; ties (and ``module``) keep the given order."""
+    if sort == "zeros":
+        rows.sort(key=lambda row: -row.num_zeros)
+    elif sort == "sparsity":
+        rows.sort(key=lambda row: -row.sparsity)
 
 
 @dataclass(frozen=True)

@@ -608,6 +608,24 @@ def _root(
         _session().log_to_stderr(logging.INFO if verbose == 1 else logging.DEBUG)
 
 
+# Rows of norm and zeros: one per parameter, or one per MoE expert (gradstat.analysis.experts).
+ByOption = Annotated[
+    str,
+    typer.Option(
+        "--by",
+        help="param (a row per parameter) or expert (a row per MoE expert, by its global "
+        "index; dense parameters in one row).",
+    ),
+]
+
+
+def _by_expert(by: str) -> bool:
+    """Whether ``--by`` asks for expert rows."""
+    if by not in ("param", "expert"):
+        raise GradstatError(f"--by {by!r} is not a row kind; use param or expert")
+    return by == "expert"
+
+
 @app.command()
 def norm(
     snapshot_dir: SnapshotArg,
@@ -627,6 +645,7 @@ def norm(
             "every one unless given, then also how many were left out).",
         ),
     ] = None,
+    by: ByOption = "param",
     as_json: JsonOption = False,
     device: DeviceOption = "cpu",
     timeout: TimeoutOption = 30.0,
@@ -637,12 +656,14 @@ def norm(
     tied_output: TiedOutputOption = "auto",
     status_file: StatusFileOption = None,
 ) -> None:
-    """The global gradient norm as Megatron computes it, and each parameter's share.
+    """The global gradient norm as Megatron computes it, and each parameter's share (with
+    --by expert, each MoE expert's).
 
     Exit status 1 when a gradient holds NaN or Inf (they are located by rank and parameter),
     or when every gradient is zero (a snapshot dumped before the backward pass?).
     """
     p = _parse_norm_type(norm_type)
+    per_expert = _by_expert(by)
     if max_norm is not None and not (math.isfinite(max_norm) and max_norm > 0):
         raise GradstatError(f"--max-norm must be a positive number, got {max_norm}")
     from gradstat.analysis.report import norm_report
@@ -661,7 +682,7 @@ def norm(
         return
     _refuse_overflow(snapshot_dir, stats, p, norm_type)
     shown = top if as_json else (top or 20)
-    report = norm_report(snapshot, stats, p, max_norm, shown)
+    report = norm_report(snapshot, stats, p, max_norm, shown, per_expert)
     _emit(as_json, report.to_json(), lambda console: print_norm(console, report))
     if report.nonfinite or report.all_zero:
         raise typer.Exit(EXIT_FINDINGS)
@@ -687,6 +708,7 @@ def zeros(
             "snapshot's order).",
         ),
     ] = "zeros",
+    by: ByOption = "param",
     as_json: JsonOption = False,
     device: DeviceOption = "cpu",
     timeout: TimeoutOption = 30.0,
@@ -698,13 +720,14 @@ def zeros(
     status_file: StatusFileOption = None,
 ) -> None:
     """num_zeros as Megatron counts it (GTP padding excluded), and per parameter (most zeros
-    first unless --sort says otherwise).
+    first unless --sort says otherwise; with --by expert, per MoE expert).
 
     Exit status 1 when every gradient is zero (a snapshot dumped before the backward pass?).
     """
     from gradstat.analysis.report import ZEROS_ORDERS, zeros_report
     from gradstat.cli.render import print_zeros
 
+    per_expert = _by_expert(by)
     if sort not in ZEROS_ORDERS:
         raise GradstatError(f"--sort {sort!r} is not an order; use {', '.join(ZEROS_ORDERS)}")
     snapshot, stats, prints = _statistics(
@@ -718,7 +741,7 @@ def zeros(
     )
     if not prints:
         return
-    report = zeros_report(snapshot, stats, sort, top if as_json else (top or 20))
+    report = zeros_report(snapshot, stats, sort, top if as_json else (top or 20), per_expert)
     _emit(as_json, report.to_json(), lambda console: print_zeros(console, report))
     if report.all_zero:
         raise typer.Exit(EXIT_FINDINGS)
@@ -875,6 +898,8 @@ def audit(
     replicas of a plain optimizer), GTP padding that must be zero, attributes that must agree
     with each other and with the shapes. Each finding gives the global norm had it been counted
     the other way. Copies are equal when max |a - b| <= rtol * max |x| (default: bitwise).
+    MoE layers too: an expert whose gradient is all zero (never routed), an expert or router
+    without any gradient, a router whose gradient is zero while its experts have one.
     Exit status 1 when there is any finding.
     """
     from gradstat.analysis.audit import audit_snapshot

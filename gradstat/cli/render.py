@@ -177,18 +177,22 @@ def print_norm(console: Console, report: NormReport) -> None:
     # The inf norm is a max: a parameter's max |g| over the total is no share of a sum.
     maximum = report.norm_type == math.inf
     share = "max |g| / total" if maximum else f"share of norm^{report.norm_type:g}"
-    counted = len(report.params) + report.params_left_out
     order = "largest |g|" if maximum else "contribution"
-    table = Table(title=f"parameters by {order} ({len(report.params)} of {counted} shown)")
-    table.add_column("parameter", no_wrap=True)
-    for column in (f"{name} norm", share, "elements", "ranks"):
-        table.add_column(column, justify="right")
-    for row in report.params:
-        label = f"{_shown(row.name)} [dim](expert)[/]" if row.expert else _shown(row.name)
-        part = row.ratio if row.share is None else row.share
-        shown = "-" if math.isnan(part) else f"{part:.2%}"
-        table.add_row(label, _number(row.norm), shown, str(row.num_elements), str(row.ranks))
-    _print_table(console, table)
+    if report.by_expert is not None:
+        _print_expert_norms(console, report, name, share, order)
+    else:
+        counted = len(report.params) + report.params_left_out
+        table = Table(title=f"parameters by {order} ({len(report.params)} of {counted} shown)")
+        table.add_column("parameter", no_wrap=True)
+        for column in (f"{name} norm", share, "elements", "ranks"):
+            table.add_column(column, justify="right")
+        for row in report.params:
+            label = f"{_shown(row.name)} [dim](expert)[/]" if row.expert else _shown(row.name)
+            part = row.ratio if row.share is None else row.share
+            table.add_row(
+                label, _number(row.norm), _part(part), str(row.num_elements), str(row.ranks)
+            )
+        _print_table(console, table)
     if report.nonfinite:
         found = Table(title="[bold red]non-finite gradients[/]")
         found.add_column("rank", justify="right")
@@ -202,6 +206,40 @@ def print_norm(console: Console, report: NormReport) -> None:
         console.print(ALL_ZERO)
 
 
+def _part(part: float) -> str:
+    return "-" if math.isnan(part) else f"{part:.2%}"
+
+
+_NO_EXPERTS = (
+    "[dim]no expert recognised by name (local_experts.E, or a grouped GEMM's weightE); "
+    "stacked [E, ...] expert weights are not split[/]"
+)
+
+
+def _print_expert_norms(
+    console: Console, report: NormReport, name: str, share: str, order: str
+) -> None:
+    rows = report.by_expert or ()
+    counted = len(rows) + report.experts_left_out
+    table = Table(title=f"experts by {order} ({len(rows)} of {counted} shown)")
+    table.add_column("expert", no_wrap=True)
+    for column in (f"{name} norm", share, "elements", "params", "ranks"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        part = row.ratio if row.share is None else row.share
+        table.add_row(
+            _shown(row.name),
+            _number(row.norm),
+            _part(part),
+            str(row.num_elements),
+            str(row.params),
+            str(row.ranks),
+        )
+    _print_table(console, table)
+    if not any(row.expert is not None for row in rows):
+        console.print(_NO_EXPERTS)
+
+
 def print_zeros(console: Console, report: ZerosReport) -> None:
     _header(console, report.snapshot)
     console.print(
@@ -209,22 +247,45 @@ def print_zeros(console: Console, report: ZerosReport) -> None:
         f"({report.sparsity:.2%}); GTP padding excluded: {report.padding_excluded}"
     )
     order = {"zeros": "most zeros first", "sparsity": "sparsest first", "module": "module order"}
-    counted = len(report.params) + report.params_left_out
-    table = Table(
-        title=f"zeros per parameter, {order[report.sort]} ({len(report.params)} of {counted} shown)"
-    )
-    table.add_column("parameter", no_wrap=True)
-    for column in ("zeros", "elements", "sparsity", "padding excluded"):
-        table.add_column(column, justify="right")
-    for row in report.params:
-        table.add_row(
-            _shown(row.name),
-            str(row.num_zeros),
-            str(row.num_elements),
-            f"{row.sparsity:.2%}",
-            str(row.padding_excluded),
+    if report.by_expert is not None:
+        experts = report.by_expert
+        counted = len(experts) + report.experts_left_out
+        table = Table(
+            title=f"zeros per expert, {order[report.sort]} ({len(experts)} of {counted} shown)"
         )
-    _print_table(console, table)
+        table.add_column("expert", no_wrap=True)
+        for column in ("zeros", "elements", "sparsity", "padding excluded", "params"):
+            table.add_column(column, justify="right")
+        for expert in experts:
+            table.add_row(
+                _shown(expert.name),
+                str(expert.num_zeros),
+                str(expert.num_elements),
+                f"{expert.sparsity:.2%}",
+                str(expert.padding_excluded),
+                str(expert.params),
+            )
+        _print_table(console, table)
+        if not any(expert.expert is not None for expert in experts):
+            console.print(_NO_EXPERTS)
+    else:
+        counted = len(report.params) + report.params_left_out
+        table = Table(
+            title=f"zeros per parameter, {order[report.sort]} ({len(report.params)} of "
+            f"{counted} shown)"
+        )
+        table.add_column("parameter", no_wrap=True)
+        for column in ("zeros", "elements", "sparsity", "padding excluded"):
+            table.add_column(column, justify="right")
+        for row in report.params:
+            table.add_row(
+                _shown(row.name),
+                str(row.num_zeros),
+                str(row.num_elements),
+                f"{row.sparsity:.2%}",
+                str(row.padding_excluded),
+            )
+        _print_table(console, table)
     if report.all_zero:
         console.print(ALL_ZERO)
 
