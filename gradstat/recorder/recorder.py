@@ -231,6 +231,17 @@ class Recorder:
             self._log = LogWriter(self.directory, start)
 
     @property
+    def steps(self) -> frozenset[int]:
+        """The steps to dump whatever the norm; may be set (the same on every rank)."""
+        return self._triggers.steps
+
+    @steps.setter
+    def steps(self, steps: Iterable[int]) -> None:
+        if isinstance(steps, str | bytes) or not isinstance(steps, Iterable):
+            raise ArgumentTypeError(f"steps must be a list of integers, got {steps!r}")
+        self._triggers.steps = frozenset(step_number(step) for step in steps)
+
+    @property
     def pairs(self) -> list[tuple[str, Any]]:
         """The ``(name, param)`` pairs as they are now (a module is walked again)."""
         return self._gradients.pairs
