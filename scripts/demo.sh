@@ -20,7 +20,8 @@ echo "(exit status $status: non-finite gradients found)"
 # Two layouts of the same gradients agree, element by element (TP shards placed, GTP padding
 # stripped, distributed-optimizer fragments placed by offset).
 run .venv/bin/gradstat compare sample_data/tp2-pp2-dp2-ep2-distopt sample_data/gtp2-pp2-dp2-ep2
-# Three planted layout bugs: compare sees the norms move, audit names each bug (exit status 1).
+# Three planted layout bugs: compare sees the norms move, audit names each bug and the expert
+# no token reaches (exit status 1).
 status=0
 run .venv/bin/gradstat compare sample_data/gtp2-pp2-dp2-ep2 sample_data/tp2-gtp2-pp2-ep2-bugs \
     || status=$?

@@ -295,8 +295,14 @@ def _megatron_telemetry(rank: int, world_size: int, arg: tuple[Any, str]) -> dic
             _use_cpu_clip_grads(megatron_clip_grads())
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model, _optimizer = _build(job)
-        recorder = gradstat.Recorder(model, directory, telemetry_every=1, spike=None)
+            model, optimizer = _build(job)
+        recorder = gradstat.Recorder(
+            model,
+            directory,
+            telemetry_every=1,
+            spike=None,
+            optimizer=optimizer if job.distributed_optimizer else None,
+        )
         params: dict[int, ParamsAtStep | None] = {}
         norms: dict[int, float] = {}
         tensors: dict[str, Any] = {}
@@ -328,6 +334,8 @@ def test_megatron_telemetry_is_float64_every_step_by_global_names(tmp_path: Path
     jobs = (
         WgradsJob("tp2-pp2-tied", tp=2, pp=2, etp=2),
         WgradsJob("ep2-dp4", ep=2, etp=1),
+        # Megatron's distributed optimizer: each rank's fragments summed into their parameter.
+        WgradsJob("tp2-dp2-distopt", tp=2, etp=2, distributed_optimizer=True),
     )
     cases = [Case(job.name, _megatron_telemetry, (job, str(tmp_path / job.name))) for job in jobs]
     report = launch(4, _run_dir(tmp_path), cases, timeout_s=600, pg_timeout_s=120)
