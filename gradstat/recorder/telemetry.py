@@ -48,7 +48,7 @@ from gradstat.recorder.messages import warn
 from gradstat.recorder.model import Gradients
 from gradstat.snapshot.capture import rank_coords
 from gradstat.snapshot.format import RankHeader
-from gradstat.snapshot.reader import RebuiltParam
+from gradstat.snapshot.reader import RebuiltParam, filter_places_of
 from gradstat.snapshot.writer import check_coords, param_record
 
 __all__ = ["Layout", "ParamsAtStep", "Telemetry"]
@@ -103,8 +103,7 @@ class _LiveRank:
 
     @cached_property
     def filter_places(self) -> tuple[AxisPlace, AxisPlace, AxisPlace, AxisPlace]:
-        coords = self.header.coords
-        return tuple(AxisPlace(*coords[axis]) for axis in ("tp", "etp", "gtp", "egtp"))  # type: ignore[return-value]
+        return filter_places_of(self.header.coords)
 
 
 @dataclass

@@ -46,6 +46,7 @@ __all__ = [
     "RebuiltParam",
     "Snapshot",
     "SnapshotShare",
+    "filter_places_of",
     "open_rank_file",
     "open_rank_files",
     "rank_file_names",
@@ -108,6 +109,15 @@ class RebuiltParam:
         return len(self.shape)
 
 
+def filter_places_of(
+    coords: Mapping[str, tuple[int, int]],
+) -> tuple[AxisPlace, AxisPlace, AxisPlace, AxisPlace]:
+    """A rank's TP, ETP, GTP and EGTP places from its coordinates, as the duplicate filters
+    take them."""
+    tp, etp, gtp, egtp = (AxisPlace(*coords[axis]) for axis in ("tp", "etp", "gtp", "egtp"))
+    return tp, etp, gtp, egtp
+
+
 @dataclass(frozen=True)
 class RankFile:
     """One validated rank file: its header and where its tensors lie."""
@@ -139,8 +149,7 @@ class RankFile:
     @cached_property
     def filter_places(self) -> tuple[AxisPlace, AxisPlace, AxisPlace, AxisPlace]:
         """This rank's TP, ETP, GTP and EGTP places, as the duplicate filters take them."""
-        places = self._places
-        return places["tp"], places["etp"], places["gtp"], places["egtp"]
+        return filter_places_of(self.header.coords)
 
     def tensors(self) -> AbstractContextManager[Mapping[str, torch.Tensor]]:
         """The file's gradients by parameter name, read-only views of its map (see
