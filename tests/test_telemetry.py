@@ -525,3 +525,27 @@ def test_values_the_columns_cannot_hold_are_logged_exactly(
     assert recorder.params is not None
     assert math.isclose(recorder.params.norms[0] or 0.0, 5e-200, rel_tol=1e-12)
     assert recorder_warnings() == [], "the norm and the per-parameter squares agree"
+
+
+def test_a_rank_that_cannot_describe_its_gradients_stops_the_statistics_not_the_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recorder_warnings: Callable[[], list[str]]
+) -> None:
+    from gradstat.recorder import telemetry
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise TypeError("an attribute no record can hold")
+
+    monkeypatch.setattr(telemetry, "param_record", broken)
+    model = torch.nn.Linear(3, 2)
+    recorder = gradstat.Recorder(model, tmp_path, spike=None)
+    for step in range(1, 4):
+        model.zero_grad()
+        model(torch.ones(2, 3) * step).sum().backward()
+        norm = recorder.step(step)
+        assert math.isclose(norm, float64_norm([p.grad for p in model.parameters()], 2))
+        assert recorder.params is None
+    lines = recorder_warnings()
+    assert len(lines) == 2, lines  # why, and that the statistics are skipped (once)
+    assert "an attribute no record can hold" in lines[0]
+    history = read_history(tmp_path)
+    assert history.steps == [1, 2, 3] and history.params == {}

@@ -119,6 +119,7 @@ class _Local:
     counted: list[tuple[int, RebuiltParam, str]]  # (item position, param, slot name)
     padded: list[bool]  # whether a counted tensor may hold GTP padding (not counted)
     slots: list[int]  # agreed slot of each counted tensor
+    failure: str | None = None  # why this rank could not describe its gradients
 
 
 def _scale(peak: float) -> float:
@@ -182,6 +183,7 @@ class Telemetry:
         self.coords, self.mesh, self.group = coords, mesh, group
         self.layout = Layout((), ())
         self.version = 0  # counts what was worked out again: the same on every rank
+        self._said_failed = False
         self._local: _Local | None = None
         self._slot: dict[str, int] = {}
 
@@ -240,9 +242,22 @@ class Telemetry:
             slots=[self._slot.get(slot, -1) for _, _, slot in counted],
         )
 
+    def _undescribed(self, items: Sequence[Any], error: Exception) -> _Local:
+        """A rank that could not describe its gradients: it holds no name, and every
+        measurement says it failed (no rank reports numbers that leave this one's out)."""
+        warn(f"per-parameter statistics stopped on this rank: {error}")
+        header = RankHeader(0, 1, None, check_coords({}), False, self.gradients.grad_attr, ())
+        live = _LiveRank(header, self.directory)
+        ids = tuple(map(id, items))
+        return _Local(ids, self._held(items), [], [], live, [], [], [], failure=str(error))
+
     def agree(self, items: Sequence[Any]) -> None:
         """Agree on the names (a collective: every rank calls, when any rank changed)."""
-        local = self._local = self._describe(items)
+        try:
+            local = self._describe(items)
+        except Exception as error:  # every rank still joins the agreement below
+            local = self._undescribed(items, error)
+        self._local = local
         self.version += 1
         lists = [(local.names, local.expert)]
         if ready() and dist.get_world_size() > 1:
@@ -278,8 +293,10 @@ class Telemetry:
         failure = None
         norms: list[tuple[int, float]] = []
         try:
+            if local.failure is not None:
+                raise GradstatError(local.failure)
             norms = self._add_local(local, items, sums, maxima)
-        except (GradstatError, ArithmeticError, RuntimeError, ValueError) as error:
+        except Exception as error:  # every rank still joins the reductions below
             failure = error
             sums = [0.0] * (width * _SUMS) + [1.0]
         maxed = self._reduced(maxima, dist.ReduceOp.MAX)
@@ -295,9 +312,12 @@ class Telemetry:
                     sums[slot * _SUMS] += (norm / scales[slot]) ** 2
         summed = self._reduced(sums, dist.ReduceOp.SUM)
         if failure is not None or summed[-1] > 0:
-            reason = f" ({failure})" if failure is not None else ""
-            warn(f"per-parameter statistics skipped at this step: a rank failed{reason}")
+            if not self._said_failed:  # once until a step succeeds again
+                self._said_failed = True
+                reason = f" ({failure})" if failure is not None else ""
+                warn(f"per-parameter statistics skipped from this step: a rank failed{reason}")
             return None
+        self._said_failed = False
         return self._result(summed, maxed, scales)
 
     def _add_local(
