@@ -1056,6 +1056,71 @@ def history(
 
 
 @app.command()
+def explain(
+    snapshot_dir: SnapshotArg,
+    logged: Annotated[
+        float | None,
+        typer.Option("--logged", help="The gradient norm the framework logged, to explain."),
+    ] = None,
+    logged_zeros: Annotated[
+        int | None,
+        typer.Option("--logged-zeros", min=0, help="The zero count it logged, to explain."),
+    ] = None,
+    norm_type: Annotated[
+        str, typer.Option("--norm-type", "-p", help="The norm it logged: 2, 1, inf or p > 0.")
+    ] = "2",
+    rtol: Annotated[
+        float,
+        typer.Option(
+            "--rtol", min=0.0, callback=_finite, help="A prediction this close (relative) matches."
+        ),
+    ] = 1e-3,
+    top: Annotated[
+        int | None,
+        typer.Option(
+            "--top", min=1, help="Rows in the table (every one unless given; the JSON: all)."
+        ),
+    ] = None,
+    as_json: JsonOption = False,
+    tp_sharded: TpShardedOption = None,
+    tp_replicated: TpReplicatedOption = None,
+    etp: EtpOption = None,
+    gtp: GtpOption = None,
+    tied_output: TiedOutputOption = "auto",
+    status_file: StatusFileOption = None,
+) -> None:
+    """Which miscount of the snapshot's gradients gives the number a framework logged.
+
+    The exact value, then each hypothesis (a kind of copy counted as well, experts or a
+    pipeline stage left out, per-rank norms averaged or summed, gradients not divided by the
+    data-parallel size, partial sums rounded to bf16, GTP padding counted as zeros), each
+    computed from the snapshot's own gradients, matches first. Exit status 1 when neither the
+    exact value nor any hypothesis is within --rtol of the logged number.
+    """
+    if (logged is None) == (logged_zeros is None):
+        raise GradstatError("give exactly one of --logged X (a norm) and --logged-zeros N")
+    if logged is not None and not (math.isfinite(logged) and logged >= 0):
+        raise GradstatError(f"--logged must be a finite number >= 0, got {logged}")
+    p = _parse_norm_type(norm_type)
+    from gradstat.analysis.explain import explain_snapshot
+    from gradstat.cli.render import print_explain
+    from gradstat.snapshot import Snapshot
+
+    _refuse_run_dir(snapshot_dir)
+    snapshot = Snapshot.open(
+        snapshot_dir, _layout(tp_sharded, tp_replicated, etp, gtp, tied_output)
+    )
+    if logged is not None:
+        report = explain_snapshot(snapshot, logged, p, rtol)
+    else:
+        assert logged_zeros is not None
+        report = explain_snapshot(snapshot, float(logged_zeros), None, rtol)
+    _emit(as_json, report.to_json(), lambda console: print_explain(console, report, top))
+    if not report.matches:
+        raise typer.Exit(EXIT_FINDINGS)
+
+
+@app.command()
 def version() -> None:
     """Print gradstat's version and the torch it runs on."""
     import torch

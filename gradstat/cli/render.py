@@ -22,6 +22,7 @@ from rich.measure import Measurement
 from rich.table import Table
 
 if TYPE_CHECKING:
+    from gradstat.analysis.explain import ExplainReport
     from gradstat.analysis.history import History
     from gradstat.analysis.report import (
         AuditReport,
@@ -39,6 +40,7 @@ __all__ = [
     "print_audit",
     "print_clip",
     "print_compare",
+    "print_explain",
     "print_history",
     "print_inspect",
     "print_norm",
@@ -473,6 +475,50 @@ def print_audit(console: Console, report: AuditReport) -> None:
     _print_table(console, table)
     for number, finding in enumerate(report.findings, 1):
         console.print(f"{number:>2}. {_shown(finding.detail)}")
+
+
+def print_explain(console: Console, report: ExplainReport, top: int | None = None) -> None:
+    """The exact value, the logged one, and each hypothesis by its distance to it."""
+    _header(console, report.snapshot)
+    if report.norm_type is None:
+        what, digits = "zero count", 12
+    else:
+        p = report.norm_type
+        shown = "inf" if p == math.inf else f"{p:g}"
+        what, digits = f"{'L2' if p == 2 else shown + '-'} norm", 10
+    console.print(
+        f"exact {what} {_number(report.exact, digits)}; logged {_number(report.logged, digits)}"
+    )
+    matches = report.matches
+    if report.exact_matches:
+        console.print("[bold green]the logged number is right[/]: it is the exact value")
+    elif matches:
+        best = matches[0]
+        console.print(f"[bold]explained by {_shown(best.name)}[/]: {_shown(best.description)}")
+    else:
+        console.print(f"[bold red]no hypothesis explains {_number(report.logged, digits)}[/]")
+    rows = report.rows if top is None else report.rows[:top]
+    title = f"hypotheses by distance ({len(rows)} of {len(report.rows)} shown)"
+    table = Table(title=title)
+    table.add_column("#", justify="right")
+    table.add_column("hypothesis", no_wrap=True)
+    table.add_column("predicts", justify="right")
+    table.add_column("distance", justify="right")
+    table.add_column("match")
+    table.add_column("parameters", justify="right")
+    table.add_column("what it assumes")
+    for number, row in enumerate(rows, 1):
+        distance = "inf" if math.isinf(row.distance) else f"{row.distance:.3%}"
+        table.add_row(
+            str(number),
+            _shown(row.name),
+            _number(row.value, digits),
+            distance,
+            "[bold green]yes[/]" if row.match else "",
+            str(len(row.params)),
+            _shown(row.description),
+        )
+    _print_table(console, table)
 
 
 class ProgressBars:
