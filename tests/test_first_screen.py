@@ -510,6 +510,7 @@ def test_the_synopsis_gives_every_commands_options() -> None:
         "compare",
         "audit",
         "history",
+        "explain",
     }
     sentence = re.search(r"\n\n(`\w+`[^.]*?also take `--device.*?)\.", text, re.S)
     assert sentence, "docs/cli.md names the commands that take --device and --timeout"
