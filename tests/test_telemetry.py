@@ -394,12 +394,14 @@ def _ranks_log_different_norms(rank: int, world_size: int, directory: str) -> An
     handler = _Lines(lines)
     logging.getLogger("gradstat.recorder").addHandler(handler)
     recorder = gradstat.Recorder(model, directory, spike=None, finalize_timeout_s=10)
-    for step in range(1, 5):
+    for step in range(1, 6):
         model.zero_grad()
         model(torch.ones(2, 4) * step).sum().backward()
         logged = torch.nn.utils.get_total_norm([param.grad for param in model.parameters()])
         if step == 3 and rank == 1:
             logged = logged * 1.5
+        if step == 5:  # both replicas counted: what a loop summing over data parallelism logs
+            logged = logged * math.sqrt(2.0)
         recorder.step(step, logged_norm=logged)
     recorder.wait()
     logging.getLogger("gradstat.recorder").removeHandler(handler)
@@ -481,13 +483,17 @@ def test_two_ranks_logged_norms_and_stages(tmp_path: Path) -> None:
         timeout_s=180,
     )
     (records0, lines0), (records1, lines1) = report.values("logged")
-    expected = [(1, ()), (2, ()), (3, ("mismatch",)), (4, ())]
+    expected = [(1, ()), (2, ()), (3, ("mismatch",)), (4, ()), (5, ("mismatch",))]
     assert records0 == expected and records1 == expected, "every rank alike"
-    (line,) = lines0
-    assert "step 3: the ranks passed different logged norms" in line
+    assert len(lines0) == 3, lines0
+    assert "step 3: the ranks passed different logged norms" in lines0[0]
+    assert "step 5: the logged norm" in lines0[1] and "1.41421" in lines0[1]
+    # Rank 0 reads the step's snapshot and names the miscount (as gradstat explain does).
+    assert "step 5: the logged norm is what dp_replica_counted gives" in lines0[2], lines0
     assert lines1 == [], "rank 0 says it"
-    (snapshot,) = [path for path in logged_run.iterdir() if path.is_dir()]
-    assert sorted(path.name for path in snapshot.glob("rank-*")) == [
+    snapshots = sorted(path for path in logged_run.iterdir() if path.is_dir())
+    assert [path.name for path in snapshots] == ["step-00000003", "step-00000005"]
+    assert sorted(path.name for path in snapshots[0].glob("rank-*")) == [
         "rank-00000.safetensors",
         "rank-00001.safetensors",
     ]

@@ -7,7 +7,7 @@ import math
 import os
 import struct
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -313,9 +313,12 @@ class Recorder:
         *fired, repeat = self._agreement.exchange(f"step {number}", flags, decide, 1)
         triggers = tuple(name for name, on in zip(TRIGGERS, fired, strict=True) if on)
         self._triggers.after(norm, mismatch)
+        explained = None
         if "mismatch" in triggers and self._agreement.rank == 0:
             warn(f"step {number}: {why}")
-        snapshot = self._snapshot(number, triggers, repeat, low, top, before["busy"])
+            if logged is not None and before["logged_top"] == -before["logged_low"]:
+                explained = self._explainer(number, logged)
+        snapshot = self._snapshot(number, triggers, repeat, low, top, before["busy"], explained)
         self.records.append(StepRecord(number, norm, triggers, snapshot, logged))
         if self._log is not None:
             mask = sum(1 << TRIGGERS.index(name) for name in triggers)
@@ -408,8 +411,43 @@ class Recorder:
             f"(beyond logged_rtol={self._triggers.logged_rtol:g})"
         )
 
+    def _explainer(self, step: int, logged: float) -> Callable[[Path], None]:
+        """What rank 0's writer thread does with a ``mismatch`` snapshot once it is complete:
+        name the miscount that gives the logged norm, as ``gradstat explain`` would."""
+
+        def explain(snapshot: Path) -> None:
+            from gradstat.analysis.explain import explain_snapshot
+            from gradstat.snapshot.reader import Snapshot
+
+            try:
+                report = explain_snapshot(
+                    Snapshot.open(snapshot), logged, self.norm_type, self._triggers.logged_rtol
+                )
+            except Exception as error:  # on the writer thread: one line, training goes on
+                warn(f"step {step}: cannot explain the logged norm ({error})")
+                return
+            fitting = [row for row in report.matches if row.name != "exact"]
+            command = f"gradstat explain {snapshot} --logged {logged!r}"
+            if fitting:
+                best = fitting[0]
+                warn(
+                    f"step {step}: the logged norm is what {best.name} gives ({best.description}: "
+                    f"{best.value:.9g}); {command} lists every hypothesis"
+                )
+            else:
+                warn(f"step {step}: no miscount gradstat knows gives the logged norm ({command})")
+
+        return explain
+
     def _snapshot(
-        self, step: int, triggers: tuple[str, ...], repeat: int, low: int, top: int, busy: int
+        self,
+        step: int,
+        triggers: tuple[str, ...],
+        repeat: int,
+        low: int,
+        top: int,
+        busy: int,
+        on_complete: Callable[[Path], None] | None = None,
     ) -> Path | None:
         """The step's snapshot, when its triggers fired and every rank can take it."""
         if low != top and not self._said_steps_differ:
@@ -439,5 +477,11 @@ class Recorder:
             self._agreement.grace_s = self._snapshots.max_dump_s  # the next agreement waits too
 
         return self._snapshots.dump(
-            step, triggers, repeat, self._gradients.dumped_pairs(), self._dump_options, started
+            step,
+            triggers,
+            repeat,
+            self._gradients.dumped_pairs(),
+            self._dump_options,
+            started,
+            on_complete,
         )

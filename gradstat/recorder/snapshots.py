@@ -172,10 +172,13 @@ class Snapshots:
         pairs: Sequence[tuple[str, Any]],
         options: Mapping[str, Any],
         on_write: Callable[[], None],
+        on_complete: Callable[[Path], None] | None = None,
     ) -> Path | None:
         """Write this rank's file (rank 0 then finalizes) on a thread, and wait for it at most
         ``max_dump_s``: past that, training goes on and the snapshot is abandoned, marked so
         that it is never renamed complete (its gradients change from here on).
+
+        ``on_complete`` is called on rank 0's thread with the snapshot once it is complete.
 
         ``options`` go to :func:`dump_rank`; ``on_write`` is called as the write starts.
         """
@@ -202,6 +205,8 @@ class Snapshots:
                     (partial / _MARKER).write_text(json.dumps(marker))
                     os.rename(partial, final)
                     self._trim(set(triggers) <= ROUTINE_TRIGGERS, self.keep)
+                    if on_complete is not None:
+                        on_complete(final)
             except Exception as error:  # a thread's traceback would be lost in the job's log
                 warn(f"step {step}: rank {rank} could not dump ({error}); training goes on")
 
