@@ -319,8 +319,10 @@ def test_a_logged_norm_that_disagrees_fires_mismatch_where_the_run_of_them_begin
         assert math.isclose(recorder.records[-1].norm, exact, rel_tol=1e-12)
     fired = [(record.step, record.triggers) for record in recorder.records if record.triggers]
     assert fired == [(4, ("mismatch",))]
-    (line,) = recorder_warnings()
+    line, explained = recorder_warnings()
     assert "step 4: the logged norm" in line and "2x the exact norm" in line
+    # One process, one copy of each tensor: no miscount gradstat knows gives twice the norm.
+    assert "step 4: no miscount gradstat knows gives the logged norm" in explained, explained
     assert recorder.records[3].snapshot is not None and recorder.records[3].snapshot.is_dir()
     document = json.loads(_gradstat("history", str(tmp_path), "--json").stdout)
     assert document["triggers"][3] == ["mismatch"]
