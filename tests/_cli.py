@@ -8,12 +8,14 @@ here: the caller asserts on the exit status, stdout and stderr.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_DATA = ROOT / "sample_data"
@@ -73,3 +75,17 @@ def recipe(name: str) -> str:
     ]
     assert len(found) == 1, f"README and docs/ have {len(found)} '# recipe: {name}' blocks"
     return found[0]
+
+
+def norm_json(snapshot: Path) -> tuple[int, dict[str, Any] | None, str]:
+    """``python -m gradstat norm SNAPSHOT --json``: its exit status, its JSON (None when it
+    printed nothing) and its stderr."""
+    result = subprocess.run(
+        [sys.executable, "-m", "gradstat", "norm", str(snapshot), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    document = json.loads(result.stdout) if result.stdout else None
+    return result.returncode, document, result.stderr

@@ -9,8 +9,6 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,7 +21,7 @@ import gradstat
 from gradstat.recorder import complete_snapshots
 from gradstat.testing import Case, launch
 from tests import _jobs, _torch_native
-from tests._cli import recipe
+from tests._cli import norm_json, recipe
 from tests._jobs import Job
 from tests._oracle import float64_norm, rel_err
 
@@ -40,18 +38,6 @@ def _run_dir(tmp_path: Path) -> Path:
     run = tmp_path / "run"
     run.mkdir()
     return run
-
-
-def _cli_norm(snapshot: Path) -> tuple[int, dict[str, Any] | None, str]:
-    result = subprocess.run(
-        [sys.executable, "-m", "gradstat", "norm", str(snapshot), "--json"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    document = json.loads(result.stdout) if result.stdout else None
-    return result.returncode, document, result.stderr
 
 
 def _plant(grads: list[torch.Tensor], step: int) -> None:
@@ -85,10 +71,10 @@ def test_one_snapshot_per_trigger_in_a_single_process_loop(tmp_path: Path) -> No
     assert sorted(snapshots) == [3, NAN_STEP, SPIKE_STEP]
     assert not [path for path in (tmp_path / "dumps").iterdir() if path.name.startswith(".")]
     assert _triggers_of(snapshots[SPIKE_STEP]) == ["spike"]
-    code, document, _ = _cli_norm(snapshots[SPIKE_STEP])
+    code, document, _ = norm_json(snapshots[SPIKE_STEP])
     assert code == 0 and document is not None
     assert rel_err(document["total_norm"], expected[SPIKE_STEP]) <= 1e-7
-    assert _cli_norm(snapshots[NAN_STEP])[0] == 1, "the NaN snapshot shows the NaN"
+    assert norm_json(snapshots[NAN_STEP])[0] == 1, "the NaN snapshot shows the NaN"
 
 
 def test_the_oldest_snapshots_go_first(tmp_path: Path) -> None:
@@ -152,7 +138,7 @@ def test_fsdp2_loop_catches_the_nan_and_the_spike(tmp_path: Path) -> None:
         ]
     snapshots = dict(complete_snapshots(dumps))
     assert sorted(snapshots) == [NAN_STEP, SPIKE_STEP]
-    code, document, stderr = _cli_norm(snapshots[SPIKE_STEP])
+    code, document, stderr = norm_json(snapshots[SPIKE_STEP])
     assert code == 0 and document is not None, stderr
     assert rel_err(document["total_norm"], ranks[0]["norms"][SPIKE_STEP]) <= 1e-7
 
@@ -186,7 +172,7 @@ def test_a_rank_lost_while_dumping_leaves_no_snapshot_that_reads_as_complete(
     assert complete_snapshots(dumps) == []
     (partial,) = (path for path in dumps.iterdir() if path.is_dir())
     assert re.fullmatch(r"\.step-00000002\.[0-9a-f]+-1\.partial", partial.name)
-    code, _document, stderr = _cli_norm(partial)
+    code, _document, stderr = norm_json(partial)
     assert code == 2 and "1 of 2 rank files missing" in stderr
 
 
@@ -246,7 +232,7 @@ def test_megatron_loop_catches_the_nan_and_the_spike(tmp_path: Path) -> None:
         assert result["fired"] == [(NAN_STEP, ("nonfinite",)), (SPIKE_STEP, ("spike",))]
     snapshots = dict(complete_snapshots(dumps))
     assert sorted(snapshots) == [NAN_STEP, SPIKE_STEP]
-    code, document, stderr = _cli_norm(snapshots[SPIKE_STEP])
+    code, document, stderr = norm_json(snapshots[SPIKE_STEP])
     assert code == 0 and document is not None, stderr
     assert rel_err(document["total_norm"], ranks[0]["norms"][SPIKE_STEP]) <= 1e-7
 

@@ -20,11 +20,8 @@ Three jobs on gloo CPU ranks:
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import os
-import subprocess
-import sys
 import warnings
 import zlib
 from pathlib import Path
@@ -40,6 +37,7 @@ from gradstat.errors import PeerTimeoutError
 from gradstat.recorder import ParamsAtStep, complete_snapshots
 from gradstat.testing import Case, launch
 from tests import _torch_native
+from tests._cli import norm_json
 from tests._oracle import rel_err
 
 STEPS = 8
@@ -152,18 +150,6 @@ def _same_on_every_rank(ranks: list[dict[str, Any]], where: str) -> None:
         assert other == first, (where, rank)
 
 
-def _cli_norm(snapshot: Path) -> tuple[int, dict[str, Any] | None, str]:
-    result = subprocess.run(
-        [sys.executable, "-m", "gradstat", "norm", str(snapshot), "--json"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    document = json.loads(result.stdout) if result.stdout else None
-    return result.returncode, document, result.stderr
-
-
 def _run_dir(tmp_path: Path) -> Path:
     run = tmp_path / "launch"
     run.mkdir()
@@ -245,7 +231,7 @@ def test_fsdp2_telemetry_is_float64_every_step_in_the_recorder_the_log_and_the_c
     snapshots = dict(complete_snapshots(directory))
     # The NaN and the Inf steps take a snapshot of their own (the nonfinite trigger).
     assert sorted(snapshots) == sorted([NAN_STEP, INF_STEP, SNAPSHOT_STEP])
-    code, document, stderr = _cli_norm(snapshots[SNAPSHOT_STEP])
+    code, document, stderr = norm_json(snapshots[SNAPSHOT_STEP])
     assert code == 0 and document is not None, stderr
     printed = {entry["name"]: entry["norm"] for entry in document["params"]}
     params = ranks[0]["params"][SNAPSHOT_STEP]

@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from gradstat.errors import ArgumentError, ArgumentTypeError
 
-__all__ = ["count", "logged_value", "seconds", "spike_factor", "step_number"]
+__all__ = [
+    "count",
+    "logged_value",
+    "seconds",
+    "spike_factor",
+    "step_number",
+    "step_set",
+    "tolerance",
+]
 
 
 def _whole(name: str, value: Any) -> int:
@@ -99,3 +108,20 @@ def logged_value(value: Any) -> float | None:
     if number < 0:
         raise ArgumentError(f"logged_norm must be a norm (>= 0, NaN or inf), got {number!r}")
     return math.nan if math.isnan(number) else number + 0.0
+
+
+def step_set(name: str, steps: Any) -> frozenset[int]:
+    """``steps`` (a list of steps, each as :func:`step_number` takes it) as a frozenset."""
+    if isinstance(steps, str | bytes) or not isinstance(steps, Iterable):
+        raise ArgumentTypeError(f"{name} must be a list of integers, got {steps!r}")
+    return frozenset(step_number(step) for step in steps)
+
+
+def tolerance(name: str, value: Any) -> float:
+    """``value`` as a finite number >= 0."""
+    number = math.nan
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        number = float(value)
+    if not 0 <= number < math.inf:
+        raise ArgumentError(f"{name} must be a number >= 0, got {value!r}")
+    return number

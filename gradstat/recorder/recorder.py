@@ -18,7 +18,15 @@ import torch.distributed as dist
 from gradstat.clip_grads import check_norm_type
 from gradstat.errors import ArgumentError, ArgumentTypeError
 from gradstat.recorder.agreement import Agreement
-from gradstat.recorder.arguments import count, logged_value, seconds, spike_factor, step_number
+from gradstat.recorder.arguments import (
+    count,
+    logged_value,
+    seconds,
+    spike_factor,
+    step_number,
+    step_set,
+    tolerance,
+)
 from gradstat.recorder.log import LogWriter, step_payload
 from gradstat.recorder.messages import warn
 from gradstat.recorder.model import Gradients
@@ -162,22 +170,17 @@ class Recorder:
             every = count("every", every)
         if telemetry_every is not None:
             telemetry_every = count("telemetry_every", telemetry_every)
-        if isinstance(steps, str | bytes) or not isinstance(steps, Iterable):
-            raise ArgumentTypeError(f"steps must be a list of integers, got {steps!r}")
+        listed = step_set("steps", steps)
         if isinstance(telemetry_groups, str | bytes):
             raise ArgumentTypeError(
                 f"telemetry_groups must be a list of regular expressions, got {telemetry_groups!r}"
             )
         groups = tuple(telemetry_groups)
-        listed = frozenset(step_number(step) for step in steps)
         finalize_timeout_s = seconds("finalize_timeout_s", finalize_timeout_s)
         max_dump_s = seconds("max_dump_s", max_dump_s)
         if agree_timeout_s is not None:
             agree_timeout_s = seconds("agree_timeout_s", agree_timeout_s)
-        if isinstance(logged_rtol, bool) or not (
-            isinstance(logged_rtol, int | float) and 0 <= logged_rtol < math.inf
-        ):
-            raise ArgumentError(f"logged_rtol must be a number >= 0, got {logged_rtol!r}")
+        logged_rtol = tolerance("logged_rtol", logged_rtol)
         self.norm_type = check_norm_type(norm_type)
         self._gradients = Gradients(model, optimizer, grad_attr, distributed_optimizer)
         self.grad_attr = self._gradients.grad_attr
@@ -186,7 +189,7 @@ class Recorder:
         self.group = group
         self.records: list[StepRecord] = []
         self.params: ParamsAtStep | None = None  # the latest per-parameter statistics
-        self._triggers = Triggers(spike, window, warmup, listed, every, float(logged_rtol))
+        self._triggers = Triggers(spike, window, warmup, listed, every, logged_rtol)
         self._agreement = Agreement(agree_timeout_s, max_dump_s)
         rank, size = self._agreement.rank, self._agreement.size
         self._snapshots = Snapshots(
@@ -237,9 +240,7 @@ class Recorder:
 
     @steps.setter
     def steps(self, steps: Iterable[int]) -> None:
-        if isinstance(steps, str | bytes) or not isinstance(steps, Iterable):
-            raise ArgumentTypeError(f"steps must be a list of integers, got {steps!r}")
-        self._triggers.steps = frozenset(step_number(step) for step in steps)
+        self._triggers.steps = step_set("steps", steps)
 
     @property
     def pairs(self) -> list[tuple[str, Any]]:
