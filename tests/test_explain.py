@@ -39,7 +39,14 @@ EP2 = Job("dp2_ep2_moe", dp=2, ep=2, moe=True)
 GTP2 = Job("gtp2", gtp=2, align=4)
 # Two kinds of copy at once: a TP replica on DP rank 1 is held back by both.
 TP2_DP2 = Job("tp2_dp2_plain", tp=2, dp=2)
-JOBS = {job.name: job for job in (TP2_PP2, DP2, EP2, GTP2, TP2_DP2)}
+CP2 = Job("cp2", cp=2)
+DP2_MOE = Job("dp2_moe", dp=2, moe=True)  # two EDP ranks: expert replicas
+TP2_ETP2 = Job("tp2_etp2_moe", tp=2, etp=2, moe=True)
+# ETP 1 under TP 2: rank 1 is dense TP rank 1 but expert TP rank 0, holding experts 2 and 3.
+TP2_EP2 = Job("tp2_ep2_moe", tp=2, ep=2, moe=True)
+JOBS = {
+    job.name: job for job in (TP2_PP2, DP2, EP2, GTP2, TP2_DP2, CP2, DP2_MOE, TP2_ETP2, TP2_EP2)
+}
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +85,15 @@ def _stage(spec: ParamSpec, pp: int) -> int:
 
 def _ep_rank(spec: ParamSpec, ep: int) -> int | None:
     return None if spec.expert is None else spec.expert // (EXPERTS // ep)
+
+
+def _unsplit_expert(spec: ParamSpec) -> bool:
+    return spec.expert is not None and spec.split == "none"
+
+
+def _dropped_by_dense_tp(spec: ParamSpec) -> bool:
+    # TP2 x EP2 on 2 ranks: EP rank e is rank e, whose dense TP rank is e too.
+    return _unsplit_expert(spec) and _ep_rank(spec, 2) == 1
 
 
 def _first(snapshot_dir: Path, logged: float, norm_type: float | None = 2.0) -> Any:
@@ -139,6 +155,23 @@ def _planted_norms() -> list[tuple[str, str, float]]:
             _sum_squares(TP2_DP2, lambda spec: 2 if spec.split == "none" else 1) ** 0.5,
         ),
         ("tp2_dp2_plain", "dp_replica_counted", (2 * _sum_squares(TP2_DP2)) ** 0.5),
+        ("cp2", "cp_replica_counted", (2 * _sum_squares(CP2)) ** 0.5),
+        (
+            "dp2_moe",
+            "edp_replica_counted",
+            _sum_squares(DP2_MOE, lambda spec: 1 + (spec.expert is not None)) ** 0.5,
+        ),
+        (
+            "tp2_etp2_moe",
+            "etp_duplicate_counted",
+            _sum_squares(TP2_ETP2, lambda spec: 1 + _unsplit_expert(spec)) ** 0.5,
+        ),
+        # The dense TP rank judges the expert tensors no TP splits: rank 1's are dropped.
+        (
+            "tp2_ep2_moe",
+            "experts_judged_by_dense_tp",
+            _sum_squares(TP2_EP2, lambda spec: not _dropped_by_dense_tp(spec)) ** 0.5,
+        ),
         (
             "tp2_dp2_plain",
             "every_copy_counted",
@@ -183,6 +216,31 @@ def test_rank_norms_averaged_over_tp_and_pp_ranks(snapshots: dict[str, Path]) ->
         _, best = _first(snapshots["tp2_pp2_tied"], logged)
         assert (best.name, best.match) == (planted, True)
         assert math.isclose(best.value, logged, rel_tol=1e-6)
+
+
+def test_one_ranks_norm_never_reduced(snapshots: dict[str, Path]) -> None:
+    # TP2 x PP2: rank 0 (TP 0, stage 0) counts all it holds; rank 3 (TP 1, stage 1) also holds
+    # TP replicas and the tied output layer's shard, which its filtered count leaves out.
+    grads = full_grads(False)
+    first = last_held = last_counted = 0.0
+    for spec in model_params(False):
+        shards = _tp_shards(grads[spec.name], spec.split, 2)
+        if _stage(spec, 2) == 0:
+            first += _square_sum(shards[0])
+        else:
+            last_counted += _square_sum(shards[1])
+            last_held += _square_sum(grads[spec.name] if spec.split == "none" else shards[1])
+    last_held += _square_sum(torch.chunk(grads[EMBEDDING], 2, dim=0)[1])  # the output copy
+    for planted, logged in (
+        ("rank_0_local", first**0.5),
+        ("rank_3_local", last_held**0.5),
+        ("rank_3_unreduced", last_counted**0.5),
+    ):
+        report, best = _first(snapshots["tp2_pp2_tied"], logged)
+        assert (best.name, best.match) == (planted, True)
+        assert math.isclose(best.value, logged, rel_tol=1e-6)
+    names = {row.name for row in report.rows}
+    assert "rank_0_unreduced" not in names  # rank 0 counts every tensor it holds
 
 
 def test_bf16_partials_are_told_from_the_exact_norm(snapshots: dict[str, Path]) -> None:
@@ -254,6 +312,16 @@ def _planted_zeros() -> list[tuple[str, str, int]]:
         ("dp2_plain", "dp_replica_counted", 2 * _zero_sum(DP2)),
         ("gtp2", "gtp_duplicate_counted", _zero_sum(GTP2, lambda spec: 1 + (not spec.gtp))),
         ("gtp2", "gtp_padding_counted", _zero_sum(GTP2) + _pad_zeros(GTP2)),
+        (
+            "tp2_ep2_moe",
+            "experts_judged_by_dense_tp",
+            _zero_sum(TP2_EP2, lambda spec: not _dropped_by_dense_tp(spec)),
+        ),
+        (
+            "dp2_moe",
+            "edp_replica_counted",
+            _zero_sum(DP2_MOE, lambda s: 1 + (s.expert is not None)),
+        ),
     ]
 
 
@@ -311,5 +379,13 @@ def test_every_hypothesis_predicts_something_on_some_layout(snapshots: dict[str,
         "bf16_partials",
         "fp16_partials",
         "gtp_padding_counted",
+        "cp_replica_counted",
+        "edp_replica_counted",
+        "etp_duplicate_counted",
+        "experts_judged_by_dense_tp",
+        "rank_0_local",
+        "rank_1_local",
+        "rank_3_local",
+        "rank_1_unreduced",
     }
     assert expected <= reached

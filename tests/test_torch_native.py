@@ -60,6 +60,9 @@ def _run_job(rank: int, world_size: int, arg: tuple[str, str]) -> dict[str, Any]
     params = list(model.parameters())
     grads = [param.grad for param in params if param.grad is not None]
     result: dict[str, Any] = {"truth": truth}
+    # A DTensor's unreduced local norm: this rank's shards alone (explain's rank_R_local).
+    local = [grad.to_local() if hasattr(grad, "to_local") else grad for grad in grads]
+    result["local_l2"] = math.sqrt(math.fsum(float(g.double().square().sum()) for g in local))
     if job in MEGATRON_API_EXACT:
         result["megatron_api"] = {
             str(p): gradstat.get_grad_norm_fp32(grads, p) for p in (2.0, 1.0, math.inf)
@@ -174,6 +177,23 @@ def test_every_command_gives_the_full_gradients_numbers(
     assert code == 0 and zeros["num_zeros"] == truth["zeros"]
     code, audit = _cli("audit", snapshot)
     assert code == 0 and audit["findings"] == [], audit["findings"]
+
+
+@pytest.mark.parametrize("job", ["fsdp2", "hsdp", "tp_fsdp2"])
+def test_explain_names_a_dtensor_shards_local_norm(
+    job: str, jobs: tuple[LaunchReport, Path]
+) -> None:
+    report, root = jobs
+    values = report.values(job)
+    for rank in (0, len(values) - 1):
+        logged = values[rank]["local_l2"]
+        code, found = _cli("explain", str(root / job), "--logged", repr(logged))
+        assert code == 0 and found["best"] == f"rank_{rank}_local", found["rows"][:3]
+        assert rel_err(found["rows"][0]["value"], logged) <= REL
+    if job == "hsdp":  # both dp_replicate copies counted: twice the square sum
+        logged = math.sqrt(2) * _truth(report, job)["l2"]
+        code, found = _cli("explain", str(root / job), "--logged", repr(logged))
+        assert code == 0 and found["best"] == "dtensor_replica_counted"
 
 
 def test_clip_scales_by_the_full_gradients_coefficient(

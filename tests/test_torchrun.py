@@ -31,6 +31,8 @@ def _run(*args: str, processes: int | None = None) -> subprocess.CompletedProces
         ("tp2-pp2-dp2-ep2-distopt", ["norm", "--norm-type", "2", "--top", "100"]),
         ("gtp2-pp2-dp2-ep2", ["zeros"]),
         ("tp2-pp2-dp2-ep2-distopt-nan", ["norm", "--norm-type", "inf"]),
+        ("tp2-pp2-dp2-ep2-distopt", ["explain", "--logged", "1.5"]),
+        ("gtp2-pp2-dp2-ep2", ["explain", "--logged-zeros", "100"]),
     ],
 )
 def test_three_processes_print_what_one_prints(snapshot: str, args: list[str]) -> None:

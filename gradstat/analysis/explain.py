@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,7 +26,10 @@ from gradstat.core.predicates import (
     param_is_not_shared,
     param_is_not_tensor_parallel_duplicate,
 )
-from gradstat.snapshot import RankFile, RebuiltParam, Snapshot
+from gradstat.snapshot import RankFile, RebuiltParam, Snapshot, SnapshotShare
+
+if TYPE_CHECKING:
+    from gradstat.distributed.runner import Processes
 
 __all__ = [
     "COPY_KINDS",
@@ -35,7 +38,9 @@ __all__ = [
     "ExplainRow",
     "Prediction",
     "TensorPiece",
+    "explain_pieces",
     "explain_snapshot",
+    "gather_tensor_pieces",
     "reasons_not_counted",
     "snapshot_tensor_pieces",
 ]
@@ -60,12 +65,15 @@ class TensorPiece:
 
     ``reasons`` holds every copy kind that keeps it from counting (empty: it counts), so that a
     hypothesis counting one kind as well adds the tensors held back by that kind alone.
+    ``dense_tp_duplicate`` says whether an expert tensor would be a duplicate if judged by the
+    dense TP rank instead of the expert TP rank (Megatron-LM PR #6470's bug).
     """
 
     rank: int
     name: str
     reasons: tuple[str, ...]
     expert: bool
+    dense_tp_duplicate: bool
     dtype: str
     coords: dict[str, int]
     sizes: dict[str, int]
@@ -81,6 +89,13 @@ class TensorPiece:
     @property
     def counted(self) -> bool:
         return not self.reasons
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TensorPiece:
+        return cls(**{**data, "reasons": tuple(data["reasons"])})
 
 
 def reasons_not_counted(rank_file: RankFile, param: RebuiltParam) -> tuple[str, ...]:
@@ -119,11 +134,25 @@ def reasons_not_counted(rank_file: RankFile, param: RebuiltParam) -> tuple[str, 
     return tuple(found)
 
 
-def snapshot_tensor_pieces(snapshot: Snapshot, norm_type: float) -> list[TensorPiece]:
-    """Every tensor with a gradient of every rank file, in rank-file order, one pass each."""
+def _dense_tp_duplicate(rank_file: RankFile, param: RebuiltParam) -> bool:
+    """Whether Megatron's filter, handed the dense TP group for an expert tensor too, drops it."""
+    record = param.record
+    if not record.is_expert or record.dtensor is not None or record.attr("fsdp_param"):
+        return False
+    tp = rank_file.filter_places[0]
+    return not param_is_not_tensor_parallel_duplicate(param, tp, tp)
+
+
+def snapshot_tensor_pieces(
+    snapshot: Snapshot | SnapshotShare,
+    norm_type: float,
+    files: Sequence[RankFile] | None = None,
+) -> list[TensorPiece]:
+    """Every tensor with a gradient of the given rank files (default: the snapshot's), in
+    rank-file order, one pass each."""
     request = Request.make([norm_type], zeros=True)
     pieces = []
-    for rank_file in snapshot.files:
+    for rank_file in snapshot.files if files is None else files:
         coords = rank_file.header.coords
         places = {axis: coords[axis][0] for axis in _COORD_AXES if axis in coords}
         sizes = {axis: size for axis, (_, size) in coords.items()}
@@ -145,6 +174,7 @@ def snapshot_tensor_pieces(snapshot: Snapshot, norm_type: float) -> list[TensorP
                         name=param.name,
                         reasons=reasons,
                         expert=piece.expert,
+                        dense_tp_duplicate=_dense_tp_duplicate(rank_file, param),
                         dtype=str(grad.dtype).removeprefix("torch."),
                         coords=places,
                         sizes=sizes,
@@ -154,6 +184,40 @@ def snapshot_tensor_pieces(snapshot: Snapshot, norm_type: float) -> list[TensorP
                         norm=norm,
                     )
                 )
+    return pieces
+
+
+def gather_tensor_pieces(
+    snapshot: Snapshot | SnapshotShare, norm_type: float, processes: Processes
+) -> list[TensorPiece]:
+    """:func:`snapshot_tensor_pieces` of every rank file, each process reading its share
+    (rank files i, i+N, ...); every process gets them all, in rank-file order.
+
+    Raises:
+        StoppedTogether: any process's error (the first, by process rank), on every process.
+    """
+    if processes.size == 1:
+        return snapshot_tensor_pieces(snapshot, norm_type)
+    from gradstat.distributed.runner import gather
+
+    if isinstance(snapshot, SnapshotShare):
+        mine = list(snapshot.files)
+    else:
+        mine = processes.share(snapshot.files)
+
+    def compute(beat: Callable[[int], None]) -> list[dict[str, Any]]:
+        found = []
+        for rank_file in mine:
+            found += [
+                piece.to_json()
+                for piece in snapshot_tensor_pieces(snapshot, norm_type, [rank_file])
+            ]
+            beat(rank_file.size_bytes)
+        return found
+
+    pieces = [TensorPiece.from_json(data) for share in gather(processes, compute) for data in share]
+    # Stable: each file's tensors stay in their order, files come in rank order.
+    pieces.sort(key=lambda piece: piece.rank)
     return pieces
 
 
@@ -193,6 +257,12 @@ def _size(pieces: Sequence[TensorPiece], axis: str) -> int:
     return max((piece.sizes.get(axis, 1) for piece in pieces), default=1)
 
 
+# How the copies of a kind are said where their name alone says too little.
+_COPY_WHAT = {
+    "shared": "the shared copies (the tied output layer; `shared` not set on them)",
+    "dtensor_replica": "the DTensor Replicate copies (HSDP replicas, TP-replicated modules)",
+}
+
 Hypothesis = Callable[[Sequence[TensorPiece], "float | None"], list[Prediction]]
 
 
@@ -204,15 +274,16 @@ def copies_counted(pieces: Sequence[TensorPiece], norm_type: float | None) -> li
         extra = [piece for piece in pieces if piece.reasons == (kind,)]
         if not extra:
             continue
+        what = _COPY_WHAT.get(kind, f"the {kind.replace('_', ' ')} copies")
         found.append(
             Prediction(
                 f"{kind}_counted",
                 _measure(counted + extra, norm_type),
                 _names(extra),
-                f"the {kind.replace('_', ' ')} copies counted as well ({len(extra)} tensors)",
+                f"{what} counted as well ({len(extra)} tensors)",
             )
         )
-    if found:
+    if len(found) > 1:  # with one kind of copy, it is that kind's prediction again
         every = [piece for piece in pieces if set(piece.reasons) <= set(COPY_KINDS)]
         found.append(
             Prediction(
@@ -308,6 +379,66 @@ def tp_rank_zero_only(pieces: Sequence[TensorPiece], norm_type: float | None) ->
             "only TP rank 0's shards counted (the other TP ranks' left out)",
         )
     ]
+
+
+def experts_judged_by_dense_tp(
+    pieces: Sequence[TensorPiece], norm_type: float | None
+) -> list[Prediction]:
+    """Expert tensors deduplicated by the dense TP rank instead of the expert TP rank
+    (Megatron-LM PR #6470): with TP4 x EP4 x ETP1 the unsplit expert tensors of dense TP ranks
+    1-3 are dropped although each is another expert's, and with ETP > 1 the ETP copies held by
+    dense TP rank 0 are kept."""
+
+    def judged_dense(piece: TensorPiece) -> bool:
+        if not piece.expert:
+            return piece.counted
+        return set(piece.reasons) <= {"etp_duplicate"} and not piece.dense_tp_duplicate
+
+    kept = [piece for piece in pieces if judged_dense(piece)]
+    changed = [piece for piece in pieces if judged_dense(piece) != piece.counted]
+    if not changed:
+        return []
+    return [
+        Prediction(
+            "experts_judged_by_dense_tp",
+            _measure(kept, norm_type),
+            _names(changed),
+            "expert copies told apart by the dense TP rank, not the expert TP rank "
+            f"({len(changed)} tensors counted otherwise)",
+        )
+    ]
+
+
+def rank_local(pieces: Sequence[TensorPiece], norm_type: float | None) -> list[Prediction]:
+    """The first or the last rank's own number, never reduced over the ranks: the rank a
+    framework logs from (Megatron prints from the last) computed it alone.
+
+    ``rank_R_local`` is every tensor the rank holds (a DTensor's ``to_local()`` norm, or a
+    local norm of a rank's own gradients); ``rank_R_unreduced`` is what the rank counts after
+    the duplicate filters, the all-reduce left out. A rank whose number is the exact one
+    (it holds every counted tensor) predicts nothing new and is left out, as is one that
+    counts nothing (0 is no prediction).
+    """
+    ranks = sorted({piece.rank for piece in pieces})
+    if len(ranks) < 2:
+        return []
+    exact = _measure(_counted(pieces), norm_type)
+    found = []
+    for rank in dict.fromkeys((ranks[0], ranks[-1])):
+        held = [piece for piece in pieces if piece.rank == rank]
+        kept = _counted(held)
+        variants = [
+            ("local", held, f"rank {rank}'s local tensors alone, not reduced over the ranks"),
+        ]
+        if len(kept) != len(held):
+            what = f"rank {rank}'s counted tensors alone (filtered, the all-reduce left out)"
+            variants.append(("unreduced", kept, what))
+        for suffix, chosen, description in variants:
+            value = _measure(chosen, norm_type)
+            if not chosen or math.isclose(value, exact, rel_tol=1e-12, abs_tol=0.0):
+                continue
+            found.append(Prediction(f"rank_{rank}_{suffix}", value, _names(chosen), description))
+    return found
 
 
 def _rank_norms(pieces: Sequence[TensorPiece], norm_type: float) -> list[float]:
@@ -419,6 +550,8 @@ HYPOTHESES: tuple[Hypothesis, ...] = (
     stage_local,
     ep_rank_left_out,
     tp_rank_zero_only,
+    experts_judged_by_dense_tp,
+    rank_local,
     per_rank_combined,
     dp_scaling,
     low_precision_partials,
@@ -485,22 +618,41 @@ def _distance(value: float, logged: float) -> float:
 
 
 def explain_snapshot(
-    snapshot: Snapshot,
+    snapshot: Snapshot | SnapshotShare,
+    logged: float,
+    norm_type: float | None = 2.0,
+    rtol: float = 1e-3,
+    hypotheses: Sequence[Hypothesis] = HYPOTHESES,
+    processes: Processes | None = None,
+) -> ExplainReport:
+    """Rank every hypothesis by its distance to ``logged``.
+
+    Args:
+        snapshot: an opened snapshot (under a launcher, this process's share of it).
+        logged: the number the framework logged.
+        norm_type: the norm it logged (2, 1, inf, p > 0); None: ``logged`` is a zero count.
+        rtol: a prediction within ``rtol * logged`` matches.
+        hypotheses: the miscounts to try (default: all of :data:`HYPOTHESES`).
+        processes: the processes reading the snapshot together (None: this one alone).
+    """
+    measured = 2.0 if norm_type is None else norm_type
+    if processes is None:
+        pieces = snapshot_tensor_pieces(snapshot, measured)
+    else:
+        pieces = gather_tensor_pieces(snapshot, measured, processes)
+    return explain_pieces(snapshot_info(snapshot), pieces, logged, norm_type, rtol, hypotheses)
+
+
+def explain_pieces(
+    info: SnapshotInfo,
+    pieces: Sequence[TensorPiece],
     logged: float,
     norm_type: float | None = 2.0,
     rtol: float = 1e-3,
     hypotheses: Sequence[Hypothesis] = HYPOTHESES,
 ) -> ExplainReport:
-    """Rank every hypothesis by its distance to ``logged``.
-
-    Args:
-        snapshot: an opened snapshot.
-        logged: the number the framework logged.
-        norm_type: the norm it logged (2, 1, inf, p > 0); None: ``logged`` is a zero count.
-        rtol: a prediction within ``rtol * logged`` matches.
-        hypotheses: the miscounts to try (default: all of :data:`HYPOTHESES`).
-    """
-    pieces = snapshot_tensor_pieces(snapshot, 2.0 if norm_type is None else norm_type)
+    """:func:`explain_snapshot` of tensor pieces already read (their norms of ``norm_type``,
+    or of 2 for a zero count)."""
     counted = _counted(pieces)
     exact = _measure(counted, norm_type)
     predictions = [
@@ -524,7 +676,7 @@ def explain_snapshot(
     # Stable: at one distance the exact value, then the registry's order.
     rows.sort(key=lambda row: (not row.match, row.distance))
     return ExplainReport(
-        snapshot_info(snapshot),
+        info,
         "norm" if norm_type is not None else "zeros",
         norm_type,
         exact,

@@ -1082,6 +1082,7 @@ def explain(
         ),
     ] = None,
     as_json: JsonOption = False,
+    timeout: TimeoutOption = 30.0,
     tp_sharded: TpShardedOption = None,
     tp_replicated: TpReplicatedOption = None,
     etp: EtpOption = None,
@@ -1092,10 +1093,12 @@ def explain(
     """Which miscount of the snapshot's gradients gives the number a framework logged.
 
     The exact value, then each hypothesis (a kind of copy counted as well, experts or a
-    pipeline stage left out, per-rank norms averaged or summed, gradients not divided by the
+    pipeline stage left out, expert copies told apart by the dense TP rank, one rank's local
+    norm never reduced, per-rank norms averaged or summed, gradients not divided by the
     data-parallel size, partial sums rounded to bf16, GTP padding counted as zeros), each
-    computed from the snapshot's own gradients, matches first. Exit status 1 when neither the
-    exact value nor any hypothesis is within --rtol of the logged number.
+    computed from the snapshot's own gradients, matches first. Under torchrun the processes
+    read the rank files in turn and process 0 prints. Exit status 1 when neither the exact
+    value nor any hypothesis is within --rtol of the logged number.
     """
     if (logged is None) == (logged_zeros is None):
         raise GradstatError("give exactly one of --logged X (a norm) and --logged-zeros N")
@@ -1104,17 +1107,19 @@ def explain(
     p = _parse_norm_type(norm_type)
     from gradstat.analysis.explain import explain_snapshot
     from gradstat.cli.render import print_explain
-    from gradstat.snapshot import Snapshot
+    from gradstat.distributed.runner import open_shared
 
+    layout = _layout(tp_sharded, tp_replicated, etp, gtp, tied_output)
     _refuse_run_dir(snapshot_dir)
-    snapshot = Snapshot.open(
-        snapshot_dir, _layout(tp_sharded, tp_replicated, etp, gtp, tied_output)
-    )
+    processes = _session().join(timeout, [snapshot_dir], as_json)
+    snapshot = open_shared(processes, snapshot_dir, layout)
     if logged is not None:
-        report = explain_snapshot(snapshot, logged, p, rtol)
+        report = explain_snapshot(snapshot, logged, p, rtol, processes=processes)
     else:
         assert logged_zeros is not None
-        report = explain_snapshot(snapshot, float(logged_zeros), None, rtol)
+        report = explain_snapshot(snapshot, float(logged_zeros), None, rtol, processes=processes)
+    if not processes.is_first:
+        return
     _emit(as_json, report.to_json(), lambda console: print_explain(console, report, top))
     if not report.matches:
         raise typer.Exit(EXIT_FINDINGS)
