@@ -248,8 +248,9 @@ def test_zeros_by_expert_against_the_unsharded_gradients(tmp_path: Path, naming:
 
 
 def test_unplaced_expert_parameters_have_a_row_of_their_own(tmp_path: Path) -> None:
-    """A stacked [E, ...] expert weight (legacy GroupedMLP's ``weight1``) is not split: its
-    norm is in the ``other expert parameters`` row, and the rows still add up."""
+    """A stacked expert weight stored flat (legacy GroupedMLP's ``weight1``, [hidden, E * ffn]:
+    its shape does not say E) is not split: its norm is in the ``other expert parameters`` row,
+    and the rows still add up."""
     stacked = f"{_module(0)}.weight1"
     grads = {
         "embedding.word_embeddings.weight": torch.randn(16, HIDDEN),
@@ -457,3 +458,104 @@ def test_under_torchrun_the_expert_rows_and_findings_are_one_processs(tmp_path: 
         assert launched.returncode == alone.returncode, launched.stderr
         assert launched.stdout == alone.stdout, args
     assert UNREACHED in alone.stdout
+
+
+# --- stacked [E, ...] expert tensors ----------------------------------------------------------
+
+STACKED_EXPERTS = 4
+STACKED_MODULE = "layers.0.moe.experts"
+
+
+def _stacked_grads() -> dict[str, torch.Tensor]:
+    """torchtitan's GroupedExperts: w1, w2 of shape [E, ...]; expert 3 never routed (zero)."""
+    generator = torch.Generator().manual_seed(30)
+    grads = {
+        "tok_embeddings.weight": torch.randn(16, HIDDEN, generator=generator),
+        "layers.0.moe.router.gate.weight": torch.randn(
+            STACKED_EXPERTS, HIDDEN, generator=generator
+        ),
+        f"{STACKED_MODULE}.w1": torch.randn(STACKED_EXPERTS, 6, HIDDEN, generator=generator),
+        f"{STACKED_MODULE}.w2": torch.randn(STACKED_EXPERTS, HIDDEN, 6, generator=generator),
+    }
+    for name in (f"{STACKED_MODULE}.w1", f"{STACKED_MODULE}.w2"):
+        grads[name][::2].mul_(1e3)  # even experts dominate, so a swapped index shows
+        grads[name][3].zero_()
+        grads[name].view(-1)[::7] = 0.0
+    return grads
+
+
+def _check_stacked_rows(directory: Path, grads: dict[str, torch.Tensor]) -> None:
+    """norm/zeros --by expert give each stacked expert its row, against float64 of the rows;
+    the totals and parameter rows are those of --by param; audit finds expert 3."""
+    stacked = [name for name in grads if name.startswith(STACKED_MODULE)]
+    for norm_type in NORM_TYPES:
+        p = float(norm_type)
+        _, plain = _cli("norm", directory, "-p", norm_type)
+        _, by = _cli("norm", directory, "-p", norm_type, "--by", "expert")
+        assert {key: by[key] for key in plain} == plain
+        rows = {row["name"]: row for row in by["by_expert"]}
+        assert sorted(rows) == sorted([DENSE, *(f"{STACKED_MODULE}[{e}]" for e in range(4))])
+        for index in range(STACKED_EXPERTS):
+            row = rows[f"{STACKED_MODULE}[{index}]"]
+            expected = float64_norm([grads[name][index] for name in stacked], p)
+            if index == 3:
+                assert row["norm"] == expected == 0.0
+            else:
+                assert rel_err(row["norm"], expected) <= 1e-6, (index, norm_type)
+            assert row["params"] == 2 and row["expert"] == index
+    _, zeros = _cli("zeros", directory, "--by", "expert")
+    by_label = {row["name"]: row for row in zeros["by_expert"]}
+    for index in range(STACKED_EXPERTS):
+        expected = sum(zeros_in(grads[name][index]) for name in stacked)
+        assert by_label[f"{STACKED_MODULE}[{index}]"]["num_zeros"] == expected
+    code, report = _cli("audit", directory)
+    assert code == 1 and _findings(report) == [("expert_never_routed", f"{STACKED_MODULE}[3]")]
+
+
+def test_stacked_expert_tensors_split_per_expert_on_ep_ranks(tmp_path: Path) -> None:
+    """Plain tensors on 2 EP ranks, each holding 2 experts' rows: EP rank e's row r is
+    expert 2e + r."""
+    from gradstat.snapshot import save_rank
+    from tests._params import param_with
+
+    grads = _stacked_grads()
+    for rank in range(2):
+        named = []
+        for name, grad in grads.items():
+            if name.startswith(STACKED_MODULE):
+                named.append((name, param_with(grad.chunk(2)[rank].clone(), allreduce=False)))
+            else:
+                named.append((name, param_with(grad.clone())))
+        coords = {"dp": [rank, 2], "ep": [rank, 2]}
+        save_rank(tmp_path, named, rank=rank, world_size=2, coords=coords, step=1)
+    _check_stacked_rows(tmp_path, grads)
+
+
+def _stacked_dtensor_job(rank: int, world_size: int, directory: str) -> None:
+    """w1 Shard(0) over the 2 ranks (experts 0-1 and 2-3), w2 Shard(1) (every expert on both
+    ranks, half of each row), the rest replicated; dumped with dump_rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from gradstat.snapshot import dump_rank
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
+    named = []
+    for name, grad in _stacked_grads().items():
+        placement = {"w1": Shard(0), "w2": Shard(1)}.get(name.rpartition(".")[2], Replicate())
+        sharded = distribute_tensor(grad, mesh, [placement], src_data_rank=None)
+        param = torch.nn.Parameter(torch.zeros_like(sharded))
+        param.grad = sharded
+        named.append((name, param))
+    dump_rank(directory, named, step=1)
+
+
+@pytest.mark.multiprocess
+def test_stacked_expert_dtensors_split_by_their_row_offsets(tmp_path: Path) -> None:
+    from gradstat.testing import Case, launch
+
+    directory = tmp_path / "snapshot"
+    report = launch(2, tmp_path, [Case("stacked", _stacked_dtensor_job, str(directory))])
+    assert not report.problems, report.problems
+    report.values("stacked")
+    _check_stacked_rows(directory, _stacked_grads())

@@ -457,8 +457,9 @@ def audit_snapshot(
         rtol: copies count as equal when max |a - b| <= rtol * max |x| (0: bitwise equal).
         device: where the global norm is reduced.
     """
-    # Zero counts too: an expert or router whose gradient is all zero is a finding.
-    request = Request.make((2.0,), True, device)
+    # Zero counts too: an expert or router whose gradient is all zero is a finding; so is a
+    # stacked expert tensor's row.
+    request = Request.make((2.0,), True, device, split_experts=True)
     stats = merge(gather_pieces(snapshot, request, processes), request)
     total = stats.norm(2.0)
     tiles = snapshot_tiles(snapshot)

@@ -14,11 +14,19 @@ Both give the expert module (``decoder.layers.1.mlp.experts``), the index and th
 name (``linear_fc1.weight``). The name decides, not the ``allreduce`` attribute: a parameter
 named so is an expert's whatever its attributes say.
 
-Not recognised: stacked expert weights, one tensor of shape [E, ...] holding every local
-expert (legacy GroupedMLP's ``experts.weight1``, torch-native MoE such as torchtitan's
-``experts.w1``). Splitting one needs its data row by row and which global expert each row is,
-which the per-tensor statistics do not keep; such tensors, marked as expert parameters, are
-summed up in one row of their own. Shared experts (``shared_experts``) are dense parameters.
+- stacked expert weights, one tensor of three or more dimensions holding its experts along
+  dim 0, a direct parameter of an ``experts`` module: torch-native MoE such as torchtitan's
+  ``moe.experts.w1`` of shape [E, dim, hidden]. Asked for (``Request.split_experts``), the
+  statistics also hold each row, ``<tensor>[<E>]``, under its global index: a DTensor's row
+  offset on dim 0 plus the row, or for a plain tensor on EP rank e holding n rows, e * n plus
+  the row (Megatron's contiguous blocks of experts per EP rank).
+
+Not split: a stacked tensor stored flat, as legacy GroupedMLP's ``experts.weight1`` of shape
+[hidden, E * ffn] (its shape does not say E), a DTensor sharded on dim 0 over more than one
+mesh dimension (its rows are strided: which global row each local one is, the record does not
+say) or whose offset was not recorded, a tensor split by TP on dim 0 or carrying GTP padding.
+Such tensors, marked as expert parameters, are summed up in one row of their own. Shared
+experts (``shared_experts``) are dense parameters.
 
 Routers are ``<layer>.router.weight`` and ``<layer>.router.bias``, ``<layer>`` being the
 expert module's parent (``decoder.layers.1.mlp``).
@@ -33,7 +41,7 @@ from dataclasses import dataclass
 
 from gradstat.analysis.stats import ParamStats, SnapshotStats, nan_max
 from gradstat.core import kernels
-from gradstat.snapshot.format import RankHeader
+from gradstat.snapshot.format import ParamRecord, RankHeader
 
 __all__ = [
     "DENSE_ROW",
@@ -46,6 +54,7 @@ __all__ = [
     "expert_name",
     "expert_stats",
     "router_layer",
+    "stacked_first_expert",
 ]
 
 # The summary rows of ``expert_stats``: every dense parameter, and the expert parameters
@@ -59,6 +68,9 @@ _SEQUENTIAL = re.compile(
 _GROUPED = re.compile(
     r"^(?P<module>(?:.*\.)?experts)\.(?P<linear>[^.]+)\.(?P<kind>weight|bias)(?P<index>\d+)$"
 )
+# A stacked tensor's row, as ``Request.split_experts`` names it: ``...experts.w1[5]``.
+_STACKED_ROW = re.compile(r"^(?P<module>(?:.*\.)?experts)\.(?P<rest>[^.\[]+)\[(?P<index>\d+)\]$")
+_STACKED = re.compile(r"^(?:.*\.)?experts\.[^.\[]+$")
 _ROUTER = re.compile(r"^(?P<layer>.+)\.router\.(?:weight|bias)$")
 
 
@@ -89,7 +101,41 @@ def expert_name(name: str) -> ExpertName | None:
     if match:
         rest = f"{match['linear']}.{match['kind']}"
         return ExpertName(match["module"], int(match["index"]), rest)
+    match = _STACKED_ROW.match(name)
+    if match:
+        return ExpertName(match["module"], int(match["index"]), match["rest"])
     return None
+
+
+def stacked_first_expert(
+    header: RankHeader, record: ParamRecord, local_shape: tuple[int, ...]
+) -> int | None:
+    """The global index of the first expert a stacked [E, ...] tensor's local rows hold; None
+    for any other tensor, and for a stacked one whose rows cannot be placed (module docstring).
+
+    Args:
+        header: its rank file's header (the EP coordinate of a plain tensor).
+        record: its record.
+        local_shape: the shape of the gradient this rank holds.
+    """
+    if not _STACKED.match(record.name) or len(local_shape) < 3:
+        return None
+    if len(record.param_shape) < 3 or record.attr("is_gtp_weight_remat"):
+        return None
+    if record.attr("gtp_pad_zeros") is not None:
+        return None
+    if record.attr("tensor_model_parallel") and record.attr("partition_dim") == 0:
+        return None
+    placement = record.dtensor
+    if placement is not None:
+        on_rows = sum(code == "S(0)" for code in placement.placements)
+        if on_rows == 0:
+            return 0
+        if on_rows > 1 or placement.global_offset is None:
+            return None
+        return placement.global_offset[0]
+    ep_rank, ep_size = header.coords.get("ep", (0, 1))
+    return ep_rank * local_shape[0] if record.is_expert and ep_size > 1 else 0
 
 
 def router_layer(name: str) -> str | None:
@@ -161,12 +207,16 @@ def expert_stats(stats: SnapshotStats) -> list[ExpertStats]:
     experts: dict[str, dict[int, list[ParamStats]]] = {}
     dense: list[ParamStats] = []
     other: list[ParamStats] = []
+    split: dict[str, list[ParamStats]] = {}  # a stacked tensor's rows, by the tensor's name
+    for row in stats.expert_rows:
+        split.setdefault(row.name.rpartition("[")[0], []).append(row)
     for param in stats.params:
-        found = expert_name(param.name)
-        if found is not None:
-            experts.setdefault(found.module, {}).setdefault(found.index, []).append(param)
-        else:
-            (other if param.expert else dense).append(param)
+        for member in split.get(param.name, [param]):
+            found = expert_name(member.name)
+            if found is not None:
+                experts.setdefault(found.module, {}).setdefault(found.index, []).append(member)
+            else:
+                (other if member.expert else dense).append(member)
     rows = [
         _combined(expert_label(module, index), module, index, by_index[index])
         for module, by_index in experts.items()

@@ -108,6 +108,10 @@ class SnapshotStats:
     params: tuple[ParamStats, ...]
     norm_types: tuple[float, ...]
     nonfinite: tuple[NonFinite, ...] = ()
+    # Asked for with ``Request.split_experts``: each stacked [E, ...] expert tensor's rows, one
+    # per expert, named ``<tensor>[<global index>]`` (no part of the totals: ``params`` holds
+    # the tensor whole).
+    expert_rows: tuple[ParamStats, ...] = ()
 
     def norm(self, norm_type: float, expert: bool | None = None) -> float:
         """The global norm; of dense (``expert=False``) or expert params only if asked.
@@ -199,6 +203,9 @@ class Piece(NamedTuple):
     norms: tuple[float, ...]  # for Request.finite
     max_abs: float | None
     nonfinite: NonFinite | None
+    # One expert's row of a stacked [E, ...] tensor (Request.split_experts): the tensor's name;
+    # its statistics are the tensor's piece's too, so the row is no part of the totals.
+    row_of: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         found = self.nonfinite
@@ -225,14 +232,19 @@ class Request:
     with_inf: bool
     zeros: bool
     device: torch.device = _CPU
+    split_experts: bool = False  # also each expert's row of stacked [E, ...] expert tensors
 
     @classmethod
     def make(
-        cls, norm_types: Iterable[float], zeros: bool = True, device: str | torch.device = "cpu"
+        cls,
+        norm_types: Iterable[float],
+        zeros: bool = True,
+        device: str | torch.device = "cpu",
+        split_experts: bool = False,
     ) -> Request:
         asked = {check_norm_type(p) for p in norm_types}
         finite = tuple(sorted(asked - {math.inf}, key=lambda p: (p != 2, p)))
-        return cls(finite, math.inf in asked, zeros, torch.device(device))
+        return cls(finite, math.inf in asked, zeros, torch.device(device), split_experts)
 
     @property
     def one_pass(self) -> bool:
@@ -295,18 +307,44 @@ def file_pieces(rank_file: RankFile, request: Request) -> list[Piece]:
             tensor_piece(rank_file, param, grad, request, fused)
             for param, grad, fused in zip(counted, grads, passes, strict=True)
         ]
+        if request.split_experts:
+            pieces += _expert_row_pieces(rank_file, counted, grads, request)
         _log.debug("%s: %d of %d tensors counted", rank_file.path, len(pieces), len(params))
         return pieces
 
 
+def _expert_row_pieces(
+    rank_file: RankFile,
+    params: Sequence[RebuiltParam],
+    grads: Sequence[torch.Tensor],
+    request: Request,
+) -> list[Piece]:
+    """Each expert's row of the stacked [E, ...] expert tensors among ``params``, as pieces
+    named ``<tensor>[<global expert index>]`` (see :func:`experts.stacked_first_expert`)."""
+    from gradstat.analysis.experts import stacked_first_expert  # it imports this module
+
+    rows = []
+    for param, grad in zip(params, grads, strict=True):
+        first = stacked_first_expert(rank_file.header, param.record, tuple(grad.shape))
+        if first is None:
+            continue
+        for row in range(grad.shape[0]):
+            piece = tensor_piece(rank_file, param, grad[row], request, None)
+            rows.append(piece._replace(name=f"{param.name}[{first + row}]", row_of=param.name))
+    return rows
+
+
 def merge(pieces: Iterable[Piece], request: Request) -> SnapshotStats:
-    """Aggregate pieces per parameter name, in the order given (rank-file order)."""
+    """Aggregate pieces per parameter name, in the order given (rank-file order); expert rows
+    (``Piece.row_of``) into ``expert_rows``, apart from the totals."""
     by_name: dict[str, ParamStats] = {}
+    by_row: dict[str, ParamStats] = {}
     nonfinite = []
     for piece in pieces:
-        stats = by_name.get(piece.name)
+        found = by_name if piece.row_of is None else by_row
+        stats = found.get(piece.name)
         if stats is None:
-            stats = by_name[piece.name] = ParamStats(
+            stats = found[piece.name] = ParamStats(
                 piece.name,
                 piece.expert,
                 norms=dict.fromkeys(request.finite, 0.0),
@@ -320,10 +358,12 @@ def merge(pieces: Iterable[Piece], request: Request) -> SnapshotStats:
         stats.pad_zeros += piece.pad_zeros
         stats.zeros += piece.zeros
         stats.ranks.append(piece.rank)
-        if piece.nonfinite is not None:
+        if piece.nonfinite is not None and piece.row_of is None:
             nonfinite.append(piece.nonfinite)
     norm_types = (*request.finite, math.inf) if request.with_inf else request.finite
-    return SnapshotStats(tuple(by_name.values()), norm_types, tuple(nonfinite))
+    return SnapshotStats(
+        tuple(by_name.values()), norm_types, tuple(nonfinite), tuple(by_row.values())
+    )
 
 
 def snapshot_stats(

@@ -532,9 +532,11 @@ def _statistics(
     timeout: float,
     as_json: bool,
     layout: WgradsOptions,
+    split_experts: bool = False,
 ) -> tuple[Snapshot | SnapshotShare, SnapshotStats, bool]:
     """Open, validate and reduce the snapshot, in this process or over torchrun's (each
-    process validating its share of the rank files).
+    process validating its share of the rank files); with ``split_experts``, each expert's
+    row of stacked expert tensors too.
 
     Returns the snapshot (under torchrun, this process's share), its statistics, and whether
     this process prints (rank 0).
@@ -545,7 +547,8 @@ def _statistics(
     _refuse_run_dir(snapshot_dir)
     processes = _session().join(timeout, [snapshot_dir], as_json)
     snapshot = open_shared(processes, snapshot_dir, layout)
-    request = Request.make(norm_types, zeros, together(processes, lambda: pick_device(device)))
+    where = together(processes, lambda: pick_device(device))
+    request = Request.make(norm_types, zeros, where, split_experts)
     pieces = gather_pieces(snapshot, request, processes)
     return snapshot, merge(pieces, request), processes.is_first
 
@@ -677,6 +680,7 @@ def norm(
         timeout,
         as_json,
         _layout(tp_sharded, tp_replicated, etp, gtp, tied_output),
+        per_expert,
     )
     if not prints:
         return
@@ -738,6 +742,7 @@ def zeros(
         timeout,
         as_json,
         _layout(tp_sharded, tp_replicated, etp, gtp, tied_output),
+        per_expert,
     )
     if not prints:
         return
