@@ -259,8 +259,8 @@ def _size(pieces: Sequence[TensorPiece], axis: str) -> int:
 
 # How the copies of a kind are said where their name alone says too little.
 _COPY_WHAT = {
-    "shared": "the shared copies (the tied output layer; `shared` not set on them)",
-    "dtensor_replica": "the DTensor Replicate copies (HSDP replicas, TP-replicated modules)",
+    "shared": "the shared (tied) copies",  # the tied output layer, as if `shared` were not set
+    "dtensor_replica": "the DTensor Replicate copies",
 }
 
 Hypothesis = Callable[[Sequence[TensorPiece], "float | None"], list[Prediction]]
