@@ -44,8 +44,10 @@ DP2_MOE = Job("dp2_moe", dp=2, moe=True)  # two EDP ranks: expert replicas
 TP2_ETP2 = Job("tp2_etp2_moe", tp=2, etp=2, moe=True)
 # ETP 1 under TP 2: rank 1 is dense TP rank 1 but expert TP rank 0, holding experts 2 and 3.
 TP2_EP2 = Job("tp2_ep2_moe", tp=2, ep=2, moe=True)
+TP4 = Job("tp4", tp=4)
 JOBS = {
-    job.name: job for job in (TP2_PP2, DP2, EP2, GTP2, TP2_DP2, CP2, DP2_MOE, TP2_ETP2, TP2_EP2)
+    job.name: job
+    for job in (TP2_PP2, DP2, EP2, GTP2, TP2_DP2, CP2, DP2_MOE, TP2_ETP2, TP2_EP2, TP4)
 }
 
 
@@ -218,6 +220,32 @@ def test_rank_norms_averaged_over_tp_and_pp_ranks(snapshots: dict[str, Path]) ->
         assert math.isclose(best.value, logged, rel_tol=1e-6)
 
 
+def test_one_tp_rank_left_out_of_four(snapshots: dict[str, Path]) -> None:
+    grads = full_grads(False)
+    kept = 0.0
+    for spec in model_params(False):
+        shards = _tp_shards(grads[spec.name], spec.split, 4)
+        kept += math.fsum(_square_sum(shard) for tp, shard in enumerate(shards) if tp != 2)
+    _, best = _first(snapshots["tp4"], kept**0.5)
+    assert (best.name, best.match) == ("tp_rank_2_left_out", True)
+    assert math.isclose(best.value, kept**0.5, rel_tol=1e-6)
+
+
+def test_group_norms_summed_or_averaged(snapshots: dict[str, Path]) -> None:
+    dense = _sum_squares(EP2, lambda spec: spec.expert is None) ** 0.5
+    experts = _sum_squares(EP2, lambda spec: spec.expert is not None) ** 0.5
+    stages = [_sum_squares(TP2_PP2, lambda spec, s=s: _stage(spec, 2) == s) ** 0.5 for s in (0, 1)]
+    for layout, planted, logged in (
+        ("dp2_ep2_moe", "dense_and_expert_norms_summed", dense + experts),
+        ("dp2_ep2_moe", "dense_and_expert_norms_averaged", (dense + experts) / 2),
+        ("tp2_pp2_tied", "stage_norms_summed", math.fsum(stages)),
+        ("tp2_pp2_tied", "stage_norms_averaged", math.fsum(stages) / 2),
+    ):
+        _, best = _first(snapshots[layout], logged)
+        assert (best.name, best.match) == (planted, True), layout
+        assert math.isclose(best.value, logged, rel_tol=1e-6)
+
+
 def test_one_ranks_norm_never_reduced(snapshots: dict[str, Path]) -> None:
     # TP2 x PP2: rank 0 (TP 0, stage 0) counts all it holds; rank 3 (TP 1, stage 1) also holds
     # TP replicas and the tied output layer's shard, which its filtered count leaves out.
@@ -387,5 +415,10 @@ def test_every_hypothesis_predicts_something_on_some_layout(snapshots: dict[str,
         "rank_1_local",
         "rank_3_local",
         "rank_1_unreduced",
+        "tp_rank_2_left_out",
+        "dense_and_expert_norms_summed",
+        "dense_and_expert_norms_averaged",
+        "stage_norms_summed",
+        "stage_norms_averaged",
     }
     assert expected <= reached

@@ -364,21 +364,37 @@ def ep_rank_left_out(pieces: Sequence[TensorPiece], norm_type: float | None) -> 
     return found
 
 
-def tp_rank_zero_only(pieces: Sequence[TensorPiece], norm_type: float | None) -> list[Prediction]:
-    """Only TP rank 0's shards (ETP rank 0's for experts): the other TP ranks left out."""
-    if _size(pieces, "tp") < 2 and _size(pieces, "etp") < 2:
+def _tp_rank(piece: TensorPiece) -> int:
+    return piece.coords.get("etp" if piece.expert else "tp", 0)
+
+
+def tp_ranks_left_out(pieces: Sequence[TensorPiece], norm_type: float | None) -> list[Prediction]:
+    """Only TP rank 0's shards (ETP rank 0's for experts): the other TP ranks left out; and,
+    with more than two TP ranks, each one TP rank's shards left out."""
+    size = max(_size(pieces, "tp"), _size(pieces, "etp"))
+    if size < 2:
         return []
     counted = _counted(pieces)
-    mine = [piece for piece in counted if piece.coords.get("etp" if piece.expert else "tp", 0) == 0]
-    left = [piece for piece in counted if piece.coords.get("etp" if piece.expert else "tp", 0)]
-    return [
+    found = [
         Prediction(
             "tp_rank_0_only",
-            _measure(mine, norm_type),
-            _names(left),
+            _measure([piece for piece in counted if _tp_rank(piece) == 0], norm_type),
+            _names(piece for piece in counted if _tp_rank(piece)),
             "only TP rank 0's shards counted (the other TP ranks' left out)",
         )
     ]
+    for tp_rank in range(1, size) if size > 2 else ():  # with 2, rank 1 left out is the above
+        left = [piece for piece in counted if _tp_rank(piece) == tp_rank]
+        if left:
+            found.append(
+                Prediction(
+                    f"tp_rank_{tp_rank}_left_out",
+                    _measure([piece for piece in counted if _tp_rank(piece) != tp_rank], norm_type),
+                    _names(left),
+                    f"TP rank {tp_rank}'s shards left out",
+                )
+            )
+    return found
 
 
 def experts_judged_by_dense_tp(
@@ -471,6 +487,43 @@ def per_rank_combined(pieces: Sequence[TensorPiece], norm_type: float | None) ->
     ]
 
 
+def group_norms_combined(
+    pieces: Sequence[TensorPiece], norm_type: float | None
+) -> list[Prediction]:
+    """The dense and the expert norms (Megatron's two optimizers), or the pipeline stages'
+    norms, summed or averaged instead of combined."""
+    if norm_type is None:
+        return []
+    counted = _counted(pieces)
+    groupings = []
+    dense = [piece for piece in counted if not piece.expert]
+    experts = [piece for piece in counted if piece.expert]
+    if dense and experts:
+        groupings.append(("dense_and_expert", "the dense and the expert norms", [dense, experts]))
+    stages = _size(pieces, "pp")
+    if stages > 1:
+        by_stage = [
+            [piece for piece in counted if piece.coords.get("pp", 0) == s] for s in range(stages)
+        ]
+        groupings.append(("stage", f"the {stages} stages' norms", by_stage))
+    everything = _names(counted)
+    found = []
+    for name, what, groups in groupings:
+        norms = [_norm_of(group, norm_type) for group in groups]
+        found.append(
+            Prediction(f"{name}_norms_summed", math.fsum(norms), everything, f"{what} summed")
+        )
+        found.append(
+            Prediction(
+                f"{name}_norms_averaged",
+                math.fsum(norms) / len(norms),
+                everything,
+                f"{what} averaged",
+            )
+        )
+    return found
+
+
 def dp_scaling(pieces: Sequence[TensorPiece], norm_type: float | None) -> list[Prediction]:
     """Gradients not yet divided by the data-parallel size, or divided twice."""
     dp = _size(pieces, "dp")
@@ -549,10 +602,11 @@ HYPOTHESES: tuple[Hypothesis, ...] = (
     experts_left_out,
     stage_local,
     ep_rank_left_out,
-    tp_rank_zero_only,
+    tp_ranks_left_out,
     experts_judged_by_dense_tp,
     rank_local,
     per_rank_combined,
+    group_norms_combined,
     dp_scaling,
     low_precision_partials,
     padding_counted,
