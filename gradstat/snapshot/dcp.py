@@ -1,0 +1,1038 @@
+"""PyTorch distributed checkpoints (DCP), indexed safely and read one chunk at a time.
+
+A directory written by ``torch.distributed.checkpoint``'s ``FileSystemWriter`` holds a pickled
+``.metadata`` (or, saved with ``use_collectives=False``, one ``__{rank}.metadata`` per rank) and
+data files whose byte ranges the metadata's storage entries name. This module is the layer
+below gradstat's snapshot reader:
+
+- :func:`load_metadata` unpickles one metadata file by allowlist. DCP's own records (and
+  Megatron ``torch_dist`` extras) become inert stand-ins: plain objects that only store their
+  pickled state, so none of DCP's code runs on untrusted bytes, no ``torch.distributed`` import
+  is needed, and a DCP version that adds or renames fields is read by the attributes it has.
+  torch dtypes, layouts, memory formats, ``torch.Size``, pure paths and plain containers are
+  built as themselves; anything else is refused before it exists.
+- :func:`open_index` merges the metadata files of a directory into a :class:`DcpIndex` and
+  validates it: chunks tile their tensor exactly, every chunk has a storage entry inside the
+  directory, data files are long enough, nothing is transformed (compressed, encrypted).
+- :func:`read_chunk` and :func:`iter_chunks` read a chunk's exact byte range, a ``torch.save``
+  record (loaded with ``weights_only=True``) or a tensor of a safetensors data file, and check
+  it against the metadata. Bytes entries (pickled objects) are listed, never read.
+- :func:`classify_key` names what a key holds: a gradient, an Adam moment, a step counter, a
+  weight, or something else, and the parameter it belongs to.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import pickle
+import re
+import stat
+import struct
+from collections import OrderedDict, defaultdict
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import IO, Any
+
+import torch
+
+from gradstat.errors import SnapshotError
+
+__all__ = [
+    "KINDS",
+    "BytesEntry",
+    "ChunkRef",
+    "DcpIndex",
+    "KeyKind",
+    "MetadataFile",
+    "StorageRef",
+    "TensorEntry",
+    "classify_key",
+    "entry_kind",
+    "is_dcp_directory",
+    "iter_chunks",
+    "load_metadata",
+    "metadata_paths",
+    "open_index",
+    "read_chunk",
+]
+
+GLOBAL_METADATA = ".metadata"
+_RANK_METADATA = re.compile(r"__(\d+)\.metadata")
+
+# DCP's own records, by the module that defines them (and where older versions defined them).
+# The planner records appear in Megatron's metadata (its cached ``all_local_plans``).
+_DCP_CLASSES: dict[str, frozenset[str]] = {
+    "torch.distributed.checkpoint.metadata": frozenset(
+        {
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorInfo",
+            "_MEM_FORMAT_ENCODING",
+        }
+    ),
+    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo", "_StoragePrefix"}),
+    "torch.distributed.checkpoint.planner": frozenset(
+        {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData"}
+    ),
+    "torch.distributed._shard.sharded_tensor.metadata": frozenset(
+        {"TensorProperties", "MEM_FORMAT_ENCODING"}
+    ),
+}
+_MEGATRON_PREFIX = "megatron.core.dist_checkpointing."
+_CONTAINERS: dict[tuple[str, str], Any] = {
+    ("builtins", "dict"): dict,
+    ("builtins", "list"): list,
+    ("builtins", "tuple"): tuple,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("collections", "OrderedDict"): OrderedDict,
+    ("collections", "defaultdict"): defaultdict,
+}
+# Paths (StorageMeta.checkpoint_id) come back as pure paths: no filesystem access.
+_PATH_MODULES = frozenset({"pathlib", "pathlib._local"})
+_POSIX_PATHS = frozenset({"PosixPath", "PurePosixPath", "Path", "PurePath"})
+_WINDOWS_PATHS = frozenset({"WindowsPath", "PureWindowsPath"})
+
+_ZIP_MAGIC = b"PK\x03\x04"
+_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    name: dtype
+    for name, dtype in {
+        "F64": torch.float64,
+        "F32": torch.float32,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+        "I64": torch.int64,
+        "I32": torch.int32,
+        "I16": torch.int16,
+        "I8": torch.int8,
+        "U8": torch.uint8,
+        "BOOL": torch.bool,
+        "C64": torch.complex64,
+        "F8_E4M3": getattr(torch, "float8_e4m3fn", None),
+        "F8_E5M2": getattr(torch, "float8_e5m2", None),
+        "U16": getattr(torch, "uint16", None),
+        "U32": getattr(torch, "uint32", None),
+        "U64": getattr(torch, "uint64", None),
+    }.items()
+    if dtype is not None
+}
+_MAX_SAFETENSORS_HEADER = 100 * 2**20
+# DCP's key in a safetensors data file's __metadata__: per fqn, the offsets of its chunk.
+_SAFETENSORS_SHARDING_KEY = "DCP_SHARDING_INFO"
+
+
+# --- Safe unpickling ------------------------------------------------------------------------
+
+
+class _Inert:
+    """A pickled record rebuilt as data only: its state becomes attributes, nothing runs.
+
+    ``_origin`` names the class the pickle asked for. Constructor arguments (an enum member's
+    value, a reduce tuple's arguments) are kept in ``_args``; a state that is not a dict (DCP's
+    ``TensorProperties`` pickles a tuple) in ``_state``.
+    """
+
+    _origin = "?"
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _Inert:
+        inert = object.__new__(cls)
+        inert.__dict__["_args"] = args
+        return inert
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.__dict__["_args"] = args
+
+    def __setstate__(self, state: Any) -> None:
+        if (
+            type(state) is tuple
+            and len(state) == 2
+            and all(part is None or type(part) is dict for part in state)
+        ):
+            # (dict state, slot state), as pickle writes an object with __slots__.
+            merged: dict[Any, Any] = {**(state[0] or {}), **(state[1] or {})}
+            state = merged
+        if type(state) is dict and all(
+            type(key) is str and key.isidentifier() and not key.startswith("__") for key in state
+        ):
+            self.__dict__.update(state)
+        else:
+            self.__dict__["_state"] = state
+
+    def __repr__(self) -> str:
+        return f"<inert {self._origin}>"
+
+
+_STAND_INS: dict[str, type[_Inert]] = {}
+
+
+def _stand_in(module: str, name: str) -> type[_Inert]:
+    origin = f"{module}.{name}"
+    if origin not in _STAND_INS:
+        _STAND_INS[origin] = type(name, (_Inert,), {"_origin": origin, "__module__": __name__})
+    return _STAND_INS[origin]
+
+
+_LAYOUTS = {str(value): value for value in vars(torch).values() if isinstance(value, torch.layout)}
+
+
+def _layout_by_name(name: Any) -> torch.layout:
+    """Stands in for ``torch.serialization._get_layout``: a layout by its name, nothing else."""
+    if type(name) is not str or name not in _LAYOUTS:
+        raise pickle.UnpicklingError(f"no torch layout is named {name!r}")
+    return _LAYOUTS[name]
+
+
+def _printable(text: str) -> str:
+    return text if text.isprintable() else repr(text)
+
+
+class _Refused(SnapshotError):
+    """A global the allowlist refuses; raised from ``find_class``, before anything is built."""
+
+
+class _MetadataUnpickler(pickle._Unpickler):
+    """DCP metadata by allowlist.
+
+    Python's pure-Python unpickler (as torch's ``weights_only`` unpickler and gradstat's
+    ``pth`` reader use): its memo is a dict, where the C unpickler's array grows to the largest
+    index a crafted ``LONG_BINPUT`` names.
+    """
+
+    def __init__(self, file: IO[bytes], path: Path) -> None:
+        super().__init__(file)
+        self._path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        if type(module) is str and type(name) is str:
+            found = _allowed_global(module, name)
+            if found is not None:
+                return found
+        raise _Refused(
+            f"{self._path}: refused to unpickle {_printable(str(module))}.{_printable(str(name))}"
+            ": a DCP .metadata holds only DCP's metadata records, torch dtypes and sizes and "
+            "plain containers, so this file is damaged or crafted; do not load it with "
+            "torch.distributed.checkpoint either"
+        )
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("DCP metadata holds no persistent references")
+
+
+def _allowed_global(module: str, name: str) -> Any:
+    """What ``find_class`` returns for an allowed global, or None for a refused one."""
+    if (module, name) in _CONTAINERS:
+        return _CONTAINERS[module, name]
+    if name in _DCP_CLASSES.get(module, ()) or module.startswith(_MEGATRON_PREFIX):
+        return _stand_in(module, name)
+    if module == "torch":
+        value = vars(torch).get(name)
+        if value is torch.Size or isinstance(
+            value, (torch.dtype, torch.layout, torch.memory_format)
+        ):
+            return value
+    if (module, name) == ("torch.serialization", "_get_layout"):
+        return _layout_by_name
+    if module in _PATH_MODULES:
+        if name in _POSIX_PATHS:
+            return PurePosixPath
+        if name in _WINDOWS_PATHS:
+            return PureWindowsPath
+    return None
+
+
+# --- Index records --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StorageRef:
+    """Where one chunk or bytes entry lies: ``[offset, offset + length)`` of a data file.
+
+    ``relative_path`` is as the metadata names it (relative to the checkpoint directory);
+    ``transform_descriptors`` lists DCP's stream transforms (compression, encryption), empty for
+    a plain entry.
+    """
+
+    relative_path: str
+    offset: int
+    length: int
+    transform_descriptors: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    """One stored chunk of a tensor: its place in the global tensor and its bytes.
+
+    ``copies`` counts how many times the same chunk (identical offsets and sizes) was stored
+    (rank-local metadata keeps every rank's copy of a replicated tensor); the chunk is read
+    once, from ``storage``, the first copy in metadata-file order.
+    """
+
+    fqn: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    dtype: torch.dtype
+    storage: StorageRef
+    copies: int = 1
+
+    @property
+    def numel(self) -> int:
+        """Number of elements in the chunk."""
+        return math.prod(self.sizes)
+
+    @property
+    def slices(self) -> tuple[slice, ...]:
+        """The chunk's place in the global tensor, as an index (``full[chunk.slices]``)."""
+        return tuple(
+            slice(offset, offset + size)
+            for offset, size in zip(self.offsets, self.sizes, strict=True)
+        )
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """A tensor of the checkpoint: global shape and dtype, and its chunks in offset order."""
+
+    fqn: str
+    size: tuple[int, ...]
+    dtype: torch.dtype
+    chunks: tuple[ChunkRef, ...]
+
+    @property
+    def numel(self) -> int:
+        """Number of elements in the global tensor."""
+        return math.prod(self.size)
+
+
+@dataclass(frozen=True)
+class BytesEntry:
+    """A non-tensor entry (a pickled object); listed, never unpickled."""
+
+    fqn: str
+    storage: StorageRef | None
+    copies: int = 1
+
+
+@dataclass(frozen=True)
+class _ChunkMeta:
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _TensorMeta:
+    size: tuple[int, ...]
+    dtype: torch.dtype
+    chunks: tuple[_ChunkMeta, ...]
+
+
+@dataclass(frozen=True)
+class MetadataFile:
+    """One metadata file as pickled, converted to plain records; not yet checked against files.
+
+    Attributes:
+        path: the file read.
+        tensors: fqn to its global size, dtype and chunk list (as stored, duplicates kept).
+        bytes_fqns: the fqns of bytes entries, in metadata order.
+        storage: ``(fqn, chunk offsets)`` (``(fqn, None)`` for a bytes entry) to its storage.
+        version: the DCP version string the writer recorded, if any.
+        planner_data: the planner's data, inert (a flatten mapping for DCP's default planner).
+    """
+
+    path: Path
+    tensors: Mapping[str, _TensorMeta]
+    bytes_fqns: tuple[str, ...]
+    storage: Mapping[tuple[str, tuple[int, ...] | None], StorageRef]
+    version: str | None
+    planner_data: Any
+
+
+@dataclass(frozen=True)
+class DcpIndex:
+    """A checkpoint directory's validated index.
+
+    Attributes:
+        directory: the checkpoint directory.
+        metadata_files: the metadata files merged (``.metadata``, or every ``__R.metadata``).
+        tensors: fqn to its entry, in the order the metadata lists them.
+        bytes_entries: fqn to its entry.
+        version: the DCP version of the first metadata file.
+    """
+
+    directory: Path
+    metadata_files: tuple[Path, ...]
+    tensors: Mapping[str, TensorEntry]
+    bytes_entries: Mapping[str, BytesEntry]
+    version: str | None
+
+    def chunks_by_file(self, fqns: Iterable[str] | None = None) -> dict[str, list[ChunkRef]]:
+        """Chunks grouped by data file (files sorted by path), each in storage-offset order.
+
+        Args:
+            fqns: only these tensors' chunks (unknown names are ignored); every tensor if None.
+        """
+        wanted = self.tensors.keys() if fqns is None else set(fqns)
+        by_file: dict[str, list[ChunkRef]] = {}
+        for fqn, entry in self.tensors.items():
+            if fqn in wanted:
+                for chunk in entry.chunks:
+                    by_file.setdefault(chunk.storage.relative_path, []).append(chunk)
+        return {
+            path: sorted(by_file[path], key=lambda chunk: chunk.storage.offset)
+            for path in sorted(by_file)
+        }
+
+
+# --- Loading metadata -----------------------------------------------------------------------
+
+
+def load_metadata(path: Path) -> MetadataFile:
+    """Unpickle one DCP metadata file by allowlist and convert it to plain records.
+
+    Args:
+        path: a ``.metadata`` or ``__{rank}.metadata`` file.
+
+    Returns:
+        Its tensors, bytes entries and storage entries, unchecked against the data files (see
+        :func:`open_index` for that).
+
+    Raises:
+        SnapshotError: one line naming the file: unreadable, not a pickle, truncated, a global
+            outside the allowlist (named as ``module.name``; nothing it names was called), or
+            a pickle that is not DCP metadata.
+    """
+    try:
+        with open(path, "rb") as file:
+            raw = _MetadataUnpickler(file, path).load()
+    except _Refused:
+        raise
+    except FileNotFoundError as error:
+        raise SnapshotError(f"{path}: no such file") from error
+    except OSError as error:
+        raise SnapshotError(f"{path}: cannot read ({error.strerror or error})") from error
+    except Exception as error:  # an untrusted pickle of allowed objects fails in any way
+        raise SnapshotError(
+            f"{path}: not a readable DCP metadata pickle ({_one_line(error)}): truncated or "
+            "damaged; save the checkpoint again"
+        ) from error
+    try:
+        return _convert(path, raw)
+    except SnapshotError:
+        raise
+    except Exception as error:  # a well-formed pickle whose records hold the wrong types
+        raise SnapshotError(
+            f"{path}: DCP metadata with malformed records ({_one_line(error)})"
+        ) from error
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    text = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _ints(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, (tuple, list)) or not all(
+        type(item) is int and item >= 0 for item in value
+    ):
+        raise ValueError(f"{what} is {value!r}, not a sequence of non-negative ints")
+    return tuple(value)
+
+
+def _dtype_of(properties: Any) -> torch.dtype:
+    dtype = getattr(properties, "dtype", None)
+    state = getattr(properties, "_state", None)
+    if dtype is None and type(state) is tuple and state:
+        dtype = state[0]  # TensorProperties pickles (dtype, layout, ...)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"tensor properties without a torch dtype ({dtype!r})")
+    return dtype
+
+
+def _convert(path: Path, raw: Any) -> MetadataFile:
+    entries = getattr(raw, "state_dict_metadata", None)
+    storage_data = getattr(raw, "storage_data", None)
+    if not isinstance(entries, dict):
+        raise SnapshotError(
+            f"{path}: a pickle of {type(raw).__name__}, not DCP metadata (no "
+            "state_dict_metadata dict); is this a torch.distributed.checkpoint directory?"
+        )
+    if not isinstance(storage_data, dict):
+        raise SnapshotError(
+            f"{path}: DCP metadata without storage entries (storage_data is "
+            f"{type(storage_data).__name__}); it was not written by FileSystemWriter"
+        )
+    tensors: dict[str, _TensorMeta] = {}
+    bytes_fqns: list[str] = []
+    for fqn, entry in entries.items():
+        if type(fqn) is not str:
+            raise SnapshotError(f"{path}: a state_dict_metadata key {fqn!r} is not a string")
+        if hasattr(entry, "chunks"):
+            size = _ints(getattr(entry, "size", None), f"{fqn!r} size")
+            chunks = []
+            for chunk in entry.chunks:
+                offsets = _ints(getattr(chunk, "offsets", None), f"{fqn!r} chunk offsets")
+                sizes = _ints(getattr(chunk, "sizes", None), f"{fqn!r} chunk sizes")
+                chunks.append(_ChunkMeta(offsets, sizes))
+            properties = getattr(entry, "properties", None)
+            tensors[fqn] = _TensorMeta(size, _dtype_of(properties), tuple(chunks))
+        elif isinstance(entry, _Inert) and entry._origin.endswith(".BytesStorageMetadata"):
+            bytes_fqns.append(fqn)
+        else:
+            raise SnapshotError(
+                f"{path}: entry {fqn!r} is a {entry!r}, neither tensor nor bytes metadata"
+            )
+    storage: dict[tuple[str, tuple[int, ...] | None], StorageRef] = {}
+    for index, info in storage_data.items():
+        fqn = getattr(index, "fqn", None)
+        if type(fqn) is not str:
+            raise SnapshotError(f"{path}: a storage entry's key {index!r} names no fqn")
+        raw_offset = getattr(index, "offset", None)
+        offset = None if raw_offset is None else _ints(raw_offset, f"{fqn!r} storage offset")
+        relative_path = getattr(info, "relative_path", None)
+        start = getattr(info, "offset", None)
+        length = getattr(info, "length", None)
+        descriptors = getattr(info, "transform_descriptors", None) or ()
+        if (
+            type(relative_path) is not str
+            or type(start) is not int
+            or type(length) is not int
+            or start < 0
+            or length < 0
+            or not all(type(item) is str for item in descriptors)
+        ):
+            raise SnapshotError(
+                f"{path}: storage entry of {fqn!r} is malformed (relative_path "
+                f"{relative_path!r}, offset {start!r}, length {length!r})"
+            )
+        storage[fqn, offset] = StorageRef(relative_path, start, length, tuple(descriptors))
+    version = getattr(raw, "version", None)
+    return MetadataFile(
+        path=path,
+        tensors=tensors,
+        bytes_fqns=tuple(bytes_fqns),
+        storage=storage,
+        version=version if type(version) is str else None,
+        planner_data=getattr(raw, "planner_data", None),
+    )
+
+
+# --- The index ------------------------------------------------------------------------------
+
+
+def metadata_paths(directory: Path) -> list[Path]:
+    """The metadata files of a checkpoint directory, in the order they are merged.
+
+    ``.metadata`` alone when it exists (a collective save); otherwise every ``__{rank}.metadata``
+    (saved with ``use_collectives=False``), by rank. Empty when there is none.
+    """
+    global_path = directory / GLOBAL_METADATA
+    if global_path.is_file():
+        return [global_path]
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    ranked = [(int(match[1]), name) for name in names if (match := _RANK_METADATA.fullmatch(name))]
+    return [directory / name for _, name in sorted(ranked)]
+
+
+def is_dcp_directory(directory: Path) -> bool:
+    """Whether ``directory`` has DCP metadata (``.metadata`` or ``__R.metadata`` files)."""
+    return directory.is_dir() and bool(metadata_paths(directory))
+
+
+def open_index(directory: Path) -> DcpIndex:
+    """Index a DCP checkpoint directory and validate it against its data files.
+
+    Every metadata file is loaded by :func:`load_metadata`; rank-local files are merged. A chunk
+    stored more than once with identical offsets and sizes (each rank's copy of a replicated
+    tensor, in rank-local metadata) counts once: the copy of the lowest metadata file is kept
+    and ``copies`` counts them all; every copy's storage is validated. Chunks that differ but
+    intersect are an overlap.
+
+    Returns:
+        The index; its tensors' chunks tile each tensor exactly, and each chunk's bytes lie in a
+        plain (untransformed) entry of a data file inside the directory that is long enough.
+
+    Raises:
+        SnapshotError: one line naming the directory (or file) and the fqn: no metadata, a
+            metadata file :func:`load_metadata` refuses, disagreeing rank-local files, a chunk
+            outside its tensor, overlapping chunks, a gap, a chunk without a storage entry, a
+            storage path that is absolute or leaves the directory, a transformed entry, a
+            missing or short data file.
+    """
+    if not directory.is_dir():
+        raise SnapshotError(f"{directory}: not a directory; a DCP checkpoint is a directory")
+    paths = metadata_paths(directory)
+    if not paths:
+        raise SnapshotError(
+            f"{directory}: no .metadata or __R.metadata file; not a torch.distributed.checkpoint "
+            "directory, or its save did not finish"
+        )
+    files = [load_metadata(path) for path in paths]
+    tensors: dict[str, TensorEntry] = {}
+    declared_in: dict[str, Path] = {}
+    bytes_entries: dict[str, BytesEntry] = {}
+    stored: list[tuple[str, StorageRef]] = []
+    for meta in files:
+        for fqn, tensor in meta.tensors.items():
+            if fqn in bytes_entries:
+                raise SnapshotError(
+                    f"{meta.path}: {fqn!r} is a tensor here and a bytes entry in an earlier "
+                    "metadata file; the rank-local metadata files disagree"
+                )
+            _merge_tensor(directory, meta, fqn, tensor, tensors, declared_in, stored)
+        for fqn in meta.bytes_fqns:
+            if fqn in tensors:
+                raise SnapshotError(
+                    f"{meta.path}: {fqn!r} is a bytes entry here and a tensor in "
+                    f"{declared_in[fqn]}; the rank-local metadata files disagree"
+                )
+            storage = meta.storage.get((fqn, None))
+            if storage is not None:
+                _check_path(directory, fqn, storage)
+            known = bytes_entries.get(fqn)
+            if known is None:
+                bytes_entries[fqn] = BytesEntry(fqn, storage)
+            else:
+                bytes_entries[fqn] = BytesEntry(fqn, known.storage or storage, known.copies + 1)
+    merged = {fqn: _validated(directory, entry) for fqn, entry in tensors.items()}
+    _check_lengths(directory, stored)
+    return DcpIndex(
+        directory=directory,
+        metadata_files=tuple(paths),
+        tensors=merged,
+        bytes_entries=bytes_entries,
+        version=files[0].version,
+    )
+
+
+def _merge_tensor(
+    directory: Path,
+    meta: MetadataFile,
+    fqn: str,
+    tensor: _TensorMeta,
+    tensors: dict[str, TensorEntry],
+    declared_in: dict[str, Path],
+    stored: list[tuple[str, StorageRef]],
+) -> None:
+    known = tensors.get(fqn)
+    if known is not None and (known.size != tensor.size or known.dtype != tensor.dtype):
+        raise SnapshotError(
+            f"{meta.path}: tensor {fqn!r} is {list(tensor.size)} {tensor.dtype} here and "
+            f"{list(known.size)} {known.dtype} in {declared_in[fqn]}; the rank-local metadata "
+            "files disagree"
+        )
+    chunks = {(chunk.offsets, chunk.sizes): chunk for chunk in known.chunks} if known else {}
+    for chunk in tensor.chunks:
+        storage = meta.storage.get((fqn, chunk.offsets))
+        if storage is None:
+            raise SnapshotError(
+                f"{meta.path}: tensor {fqn!r}: chunk at offsets {list(chunk.offsets)} has no "
+                "storage entry; the metadata is damaged or was edited"
+            )
+        _check_path(directory, fqn, storage)
+        if storage.transform_descriptors:
+            raise SnapshotError(
+                f"{directory}: tensor {fqn!r}: its chunk at offsets {list(chunk.offsets)} is "
+                f"stored transformed ({', '.join(storage.transform_descriptors)}); gradstat "
+                "reads plain entries only: save without the stream transforms"
+            )
+        stored.append((fqn, storage))
+        key = (chunk.offsets, chunk.sizes)
+        seen = chunks.get(key)
+        if seen is None:
+            chunks[key] = ChunkRef(fqn, chunk.offsets, chunk.sizes, tensor.dtype, storage)
+        else:
+            chunks[key] = ChunkRef(
+                fqn, seen.offsets, seen.sizes, seen.dtype, seen.storage, seen.copies + 1
+            )
+    tensors[fqn] = TensorEntry(fqn, tensor.size, tensor.dtype, tuple(chunks.values()))
+    declared_in.setdefault(fqn, meta.path)
+
+
+def _validated(directory: Path, entry: TensorEntry) -> TensorEntry:
+    """``entry`` with its chunks in offset order, once they tile its shape exactly."""
+    where = f"{directory}: tensor {entry.fqn!r}"
+    for chunk in entry.chunks:
+        if len(chunk.offsets) != len(entry.size) or len(chunk.sizes) != len(entry.size):
+            raise SnapshotError(
+                f"{where}: chunk at offsets {list(chunk.offsets)} sizes {list(chunk.sizes)} has "
+                f"another number of dimensions than the tensor's shape {list(entry.size)}"
+            )
+        if any(
+            offset + size > dim
+            for offset, size, dim in zip(chunk.offsets, chunk.sizes, entry.size, strict=True)
+        ):
+            raise SnapshotError(
+                f"{where}: chunk at offsets {list(chunk.offsets)} sizes {list(chunk.sizes)} "
+                f"lies outside the global shape {list(entry.size)}"
+            )
+    chunks = sorted(entry.chunks, key=lambda chunk: (chunk.offsets, chunk.sizes))
+    _check_no_overlap(where, chunks)
+    covered = sum(chunk.numel for chunk in chunks)
+    if covered != entry.numel:
+        raise SnapshotError(
+            f"{where}: its chunks cover {covered} of its {entry.numel} elements "
+            f"(shape {list(entry.size)}): a gap; the checkpoint is incomplete (a rank's "
+            "metadata missing?) or its metadata was edited"
+        )
+    return TensorEntry(entry.fqn, entry.size, entry.dtype, tuple(chunks))
+
+
+def _check_no_overlap(where: str, chunks: list[ChunkRef]) -> None:
+    """Refuse two chunks that share an element (a sweep along the first dimension)."""
+    solid = [chunk for chunk in chunks if chunk.numel > 0]
+    if not solid or not solid[0].offsets:
+        if len(solid) > 1:  # two scalar chunks: identical ones were merged already
+            raise SnapshotError(f"{where}: the scalar is stored in {len(solid)} chunks")
+        return
+    solid.sort(key=lambda chunk: chunk.offsets[0])
+    active: list[ChunkRef] = []
+    for chunk in solid:
+        start = chunk.offsets[0]
+        active = [other for other in active if other.offsets[0] + other.sizes[0] > start]
+        for other in active:
+            if all(
+                max(a, b) < min(a + m, b + n)
+                for a, m, b, n in zip(
+                    other.offsets, other.sizes, chunk.offsets, chunk.sizes, strict=True
+                )
+            ):
+                raise SnapshotError(
+                    f"{where}: chunks at offsets {list(other.offsets)} sizes "
+                    f"{list(other.sizes)} and at offsets {list(chunk.offsets)} sizes "
+                    f"{list(chunk.sizes)} overlap; the checkpoint's metadata is inconsistent"
+                )
+        active.append(chunk)
+
+
+def _check_path(directory: Path, fqn: str, storage: StorageRef) -> Path:
+    """The data file of a storage entry, once its path is known to stay inside ``directory``."""
+    relative = storage.relative_path
+    problem = None
+    if not relative or "\x00" in relative:
+        problem = "is empty or holds a NUL byte"
+    elif (
+        PurePosixPath(relative).is_absolute()
+        or PureWindowsPath(relative).is_absolute()
+        or PureWindowsPath(relative).drive
+    ):
+        problem = "is absolute"
+    elif ".." in PurePosixPath(relative).parts or ".." in PureWindowsPath(relative).parts:
+        problem = "climbs out with '..'"
+    else:
+        root = os.path.realpath(directory)
+        target = os.path.realpath(directory / relative)
+        if os.path.commonpath([root, target]) != root:
+            problem = f"resolves (through a symlink) to {target}, outside the directory"
+    if problem is not None:
+        raise SnapshotError(
+            f"{directory}: entry {fqn!r}: storage path {relative!r} {problem}; gradstat reads "
+            "only files inside the checkpoint directory"
+        )
+    return directory / relative
+
+
+def _check_lengths(directory: Path, stored: list[tuple[str, StorageRef]]) -> None:
+    """Each data file exists, is a regular file, and holds every chunk's byte range.
+
+    ``stored`` holds every copy of every chunk: copies not read are part of the checkpoint too.
+    A short file is named with the first entry it cuts (the lowest offset past its end).
+    """
+    by_file: dict[str, list[tuple[int, int, str]]] = {}
+    for fqn, storage in stored:
+        by_file.setdefault(storage.relative_path, []).append(
+            (storage.offset, storage.offset + storage.length, fqn)
+        )
+    for relative, ranges in sorted(by_file.items()):
+        path = directory / relative
+        try:
+            info = os.stat(path)
+        except FileNotFoundError as error:
+            raise SnapshotError(
+                f"{path}: data file of tensor {ranges[0][2]!r} is missing; copy the whole "
+                "checkpoint directory"
+            ) from error
+        except OSError as error:
+            raise SnapshotError(f"{path}: cannot read ({error.strerror or error})") from error
+        if not stat.S_ISREG(info.st_mode):
+            raise SnapshotError(
+                f"{path}: data file of tensor {ranges[0][2]!r} is not a regular file"
+            )
+        cut = sorted(item for item in ranges if item[1] > info.st_size)
+        if cut:
+            start, end, fqn = cut[0]
+            raise SnapshotError(
+                f"{path}: {info.st_size} bytes, but tensor {fqn!r} is stored at bytes "
+                f"[{start}, {end}) ({len(cut)} entries past the end): the file is truncated; "
+                "copy it again"
+            )
+
+
+# --- Reading chunks -------------------------------------------------------------------------
+
+
+def read_chunk(directory: Path, chunk: ChunkRef) -> torch.Tensor:
+    """One chunk's tensor, read from exactly its storage range and checked against the index.
+
+    Args:
+        directory: the checkpoint directory (the index's ``directory``).
+        chunk: a chunk of the index.
+
+    Returns:
+        A CPU tensor of shape ``chunk.sizes`` and dtype ``chunk.dtype``.
+
+    Raises:
+        SnapshotError: one line naming the fqn and the data file: the path leaves the
+            directory, the file is missing or short, its bytes are not a tensor record, or
+            the tensor's shape or dtype differ from the metadata's.
+    """
+    path = _check_path(directory, chunk.fqn, chunk.storage)
+    try:
+        with open(path, "rb") as file:
+            return _read_from(file, path, chunk, {})
+    except FileNotFoundError as error:
+        raise SnapshotError(f"{path}: data file of tensor {chunk.fqn!r} is missing") from error
+    except OSError as error:
+        raise SnapshotError(f"{path}: cannot read ({error.strerror or error})") from error
+
+
+def iter_chunks(
+    index: DcpIndex,
+    *,
+    fqns: Iterable[str] | None = None,
+    files: Iterable[str] | None = None,
+) -> Iterator[tuple[str, ChunkRef, torch.Tensor]]:
+    """Every chunk's tensor, file by file: each data file opened once, read in offset order.
+
+    A caller that drops each tensor before asking for the next holds about one chunk at a time.
+
+    Args:
+        index: the checkpoint's index.
+        fqns: only these tensors (all if None).
+        files: only chunks stored in these data files, by relative path (all if None); a
+            process of a launched job can take its share of the files.
+
+    Yields:
+        ``(fqn, chunk, tensor)`` as :func:`read_chunk` returns the tensor.
+
+    Raises:
+        SnapshotError: as :func:`read_chunk`.
+    """
+    by_file = index.chunks_by_file(fqns)
+    selected = by_file.keys() if files is None else [name for name in files if name in by_file]
+    for relative in selected:
+        chunks = by_file[relative]
+        path = _check_path(index.directory, chunks[0].fqn, chunks[0].storage)
+        headers: dict[int, tuple[int, dict[str, Any]]] = {}
+        try:
+            with open(path, "rb") as file:
+                for chunk in chunks:
+                    yield chunk.fqn, chunk, _read_from(file, path, chunk, headers)
+        except FileNotFoundError as error:
+            raise SnapshotError(
+                f"{path}: data file of tensor {chunks[0].fqn!r} is missing"
+            ) from error
+        except OSError as error:
+            raise SnapshotError(f"{path}: cannot read ({error.strerror or error})") from error
+
+
+def _read_exactly(file: IO[bytes], path: Path, fqn: str, start: int, length: int) -> bytes:
+    file.seek(start)
+    data = file.read(length)
+    if len(data) != length:
+        raise SnapshotError(
+            f"{path}: tensor {fqn!r} is stored at bytes [{start}, {start + length}) but the file "
+            f"ends at {start + len(data)}: truncated; copy it again"
+        )
+    return data
+
+
+def _read_from(
+    file: IO[bytes],
+    path: Path,
+    chunk: ChunkRef,
+    headers: dict[int, tuple[int, dict[str, Any]]],
+) -> torch.Tensor:
+    storage = chunk.storage
+    if storage.transform_descriptors:
+        raise SnapshotError(
+            f"{path}: tensor {chunk.fqn!r} is stored transformed "
+            f"({', '.join(storage.transform_descriptors)}); gradstat reads plain entries only"
+        )
+    magic = _read_exactly(file, path, chunk.fqn, storage.offset, min(4, storage.length))
+    if magic == _ZIP_MAGIC:
+        data = _read_exactly(file, path, chunk.fqn, storage.offset, storage.length)
+        try:
+            tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as error:  # a damaged record fails in any way
+            raise SnapshotError(
+                f"{path}: tensor {chunk.fqn!r}: the torch.save record at bytes "
+                f"[{storage.offset}, {storage.offset + storage.length}) does not load "
+                f"({_one_line(error)})"
+            ) from error
+        if not isinstance(tensor, torch.Tensor):
+            raise SnapshotError(
+                f"{path}: tensor {chunk.fqn!r}: its record holds a {type(tensor).__name__}, "
+                "not a tensor"
+            )
+    else:
+        tensor = _read_safetensors(file, path, chunk, headers)
+    if tuple(tensor.shape) != chunk.sizes or tensor.dtype != chunk.dtype:
+        raise SnapshotError(
+            f"{path}: tensor {chunk.fqn!r}: the chunk at offsets {list(chunk.offsets)} holds "
+            f"{list(tensor.shape)} {tensor.dtype}, the metadata says {list(chunk.sizes)} "
+            f"{chunk.dtype}; the metadata does not describe this file"
+        )
+    return tensor
+
+
+def _read_safetensors(
+    file: IO[bytes],
+    path: Path,
+    chunk: ChunkRef,
+    headers: dict[int, tuple[int, dict[str, Any]]],
+) -> torch.Tensor:
+    """A chunk of a data file DCP wrote with ``SerializationFormat.SAFETENSORS``.
+
+    Such a file holds its bytes entries first, then one safetensors blob with every tensor of
+    the file; each tensor's storage offset is the blob's start (its length the tensor's bytes),
+    and the tensor is found in the blob's header by its fqn.
+    """
+    start = chunk.storage.offset
+    where = f"{path}: tensor {chunk.fqn!r}"
+    if start not in headers:
+        prefix = _read_exactly(file, path, chunk.fqn, start, 8)
+        (header_length,) = struct.unpack("<Q", prefix)
+        if header_length > _MAX_SAFETENSORS_HEADER:
+            raise SnapshotError(
+                f"{where}: bytes at {start} are neither a torch.save record nor a safetensors "
+                "header; the metadata does not describe this file"
+            )
+        raw = _read_exactly(file, path, chunk.fqn, start + 8, header_length)
+        try:
+            header = json.loads(raw)
+        except ValueError as error:
+            raise SnapshotError(
+                f"{where}: bytes at {start} are neither a torch.save record nor a safetensors "
+                f"header ({_one_line(error)})"
+            ) from error
+        if type(header) is not dict:
+            raise SnapshotError(f"{where}: the safetensors header at {start} is not an object")
+        headers[start] = (start + 8 + header_length, header)
+    data_start, header = headers[start]
+    record = header.get(chunk.fqn)
+    if (
+        type(record) is not dict
+        or record.get("dtype") not in _SAFETENSORS_DTYPES
+        or not isinstance(record.get("shape"), list)
+        or not isinstance(record.get("data_offsets"), list)
+        or len(record["data_offsets"]) != 2
+        or not all(type(item) is int and item >= 0 for item in record["data_offsets"])
+    ):
+        raise SnapshotError(
+            f"{where}: the safetensors blob at byte {start} has no usable record for it"
+        )
+    sharding = header.get("__metadata__", {})
+    info = sharding.get(_SAFETENSORS_SHARDING_KEY) if type(sharding) is dict else None
+    if type(info) is str:
+        try:
+            saved = json.loads(info).get(chunk.fqn, {}).get("saved_offsets")
+        except (ValueError, AttributeError):
+            saved = None
+        if saved is not None and tuple(saved) != chunk.offsets:
+            raise SnapshotError(
+                f"{where}: the file holds the chunk at offsets {saved}, the metadata says "
+                f"{list(chunk.offsets)}"
+            )
+    dtype = _SAFETENSORS_DTYPES[record["dtype"]]
+    shape = tuple(record["shape"])
+    begin, end = record["data_offsets"]
+    if shape != chunk.sizes or dtype != chunk.dtype:
+        raise SnapshotError(
+            f"{where}: the chunk at offsets {list(chunk.offsets)} holds {list(shape)} {dtype}, "
+            f"the metadata says {list(chunk.sizes)} {chunk.dtype}; the metadata does not "
+            "describe this file"
+        )
+    nbytes = math.prod(shape) * dtype.itemsize
+    if end - begin != nbytes or nbytes != chunk.storage.length:
+        raise SnapshotError(
+            f"{where}: its safetensors record spans {end - begin} bytes, its shape needs "
+            f"{nbytes} and the metadata says {chunk.storage.length}"
+        )
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    data = bytearray(_read_exactly(file, path, chunk.fqn, data_start + begin, nbytes))
+    return torch.frombuffer(data, dtype=dtype).reshape(shape)
+
+
+# --- Kinds of keys --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KeyKind:
+    """What a checkpoint key holds, and the parameter it belongs to (None when none)."""
+
+    kind: str
+    param: str | None
+
+
+KINDS = ("grad", "exp_avg", "exp_avg_sq", "step", "weight", "other")
+_MOMENTS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "step": "step"}
+# Optimizer states that are not moments or counters; Megatron's fp32_param is a master weight.
+_OTHER_STATES = frozenset({"max_exp_avg_sq", "momentum_buffer", "fp32_param", "square_avg"})
+# Top-level keys of trainers' checkpoints that hold no model parameters (torchtitan's and
+# DCP's tutorials' names).
+_NON_MODEL_ROOTS = frozenset(
+    {"lr_scheduler", "lr_schedulers", "dataloader", "train_state", "extra", "rng", "scheduler"}
+)
+
+
+def classify_key(fqn: str) -> KeyKind:
+    """Classify a checkpoint key as the checkpoint holds it.
+
+    - ``grads.<param>``: a gradient dump (``dcp.save({"grads": {name: p.grad}})``).
+    - ``[optimizer.]state.<param>.<stat>`` (``get_state_dict``'s and torchtitan's flattening)
+      or ``optimizer.state.<stat>.<param>`` (Megatron's): ``exp_avg``, ``exp_avg_sq``, ``step``
+      by stat; another stat (``max_exp_avg_sq``, ``fp32_param``...) is ``other``.
+    - ``[optimizer.]param_groups...``, and the roots of trainer state (``lr_scheduler``,
+      ``dataloader``, ``train_state``, ``extra``...): ``other``, no parameter.
+    - ``model.<param>``, or any other key (torchtitan saves model keys at the top level):
+      ``weight``.
+    """
+    parts = fqn.split(".")
+    if parts[0] == "grads" and len(parts) > 1:
+        return KeyKind("grad", fqn[len("grads.") :])
+    if parts[0] == "optimizer":
+        parts = parts[1:]
+        if not parts:
+            return KeyKind("other", None)
+    elif parts[0] not in ("state", "param_groups"):
+        if parts[0] in _NON_MODEL_ROOTS:
+            return KeyKind("other", None)
+        param = fqn[len("model.") :] if parts[0] == "model" and len(parts) > 1 else fqn
+        return KeyKind("weight", param)
+    if parts[0] == "state" and len(parts) >= 3:
+        if parts[1] in _MOMENTS or parts[1] in _OTHER_STATES:
+            stat_name, param = parts[1], ".".join(parts[2:])
+        else:
+            stat_name, param = parts[-1], ".".join(parts[1:-1])
+        return KeyKind(_MOMENTS.get(stat_name, "other"), param)
+    if parts[0] == "param_groups" and len(parts) >= 3 and not parts[1].isdigit():
+        return KeyKind("other", ".".join(parts[1:-1]))  # flattened: param_groups.<param>.<key>
+    return KeyKind("other", None)
+
+
+def entry_kind(fqn: str) -> str:
+    """The kind of a checkpoint key: one of :data:`KINDS` (see :func:`classify_key`)."""
+    return classify_key(fqn).kind
