@@ -10,6 +10,7 @@ in one line naming the file and the entry, and a crafted pickle must run nothing
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
@@ -178,6 +179,27 @@ def test_read_chunk_reads_one_chunk(plain: tuple[Path, dict[str, Any]]) -> None:
     chunk = index.tensors["optimizer.state.2.bias.exp_avg_sq"].chunks[0]
     assert torch.equal(read_chunk(directory, chunk), originals["optimizer.state.2.bias.exp_avg_sq"])
     assert is_dcp_directory(directory) and not is_dcp_directory(directory / "__0_0.distcp")
+    escaping = dataclasses.replace(
+        chunk, storage=dataclasses.replace(chunk.storage, relative_path="../step-1/__0_0.distcp")
+    )
+    with pytest.raises(SnapshotError, match="climbs out"):
+        read_chunk(directory, escaping)
+
+
+def test_file_cut_after_indexing(plain: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    directory = tmp_path / "ckpt"
+    shutil.copytree(plain[0], directory)
+    index = open_index(directory)
+    last = max(
+        (chunk for entry in index.tensors.values() for chunk in entry.chunks),
+        key=lambda chunk: chunk.storage.offset,
+    )
+    with open(directory / last.storage.relative_path, "r+b") as file:
+        file.truncate(last.storage.offset + 10)
+    with pytest.raises(SnapshotError) as caught:
+        list(iter_chunks(index))
+    message = str(caught.value)
+    assert "truncated" in message and f"'{last.fqn}'" in message and "\n" not in message
 
 
 @pytest.mark.parametrize("data_format", list(SerializationFormat))
@@ -635,7 +657,13 @@ def test_megatron_extras_become_inert(
         def __setstate__(self, state: Any) -> None:
             marker.touch()
 
-    for cls in (MCoreMetadata, ShardedTensor):
+    class ShardedObject:
+        __slots__ = ("key",)  # pickled as (None, {"key": ...})
+
+        def __init__(self, key: str) -> None:
+            self.key = key
+
+    for cls in (MCoreMetadata, ShardedTensor, ShardedObject):
         cls.__module__ = module.__name__
         cls.__qualname__ = cls.__name__
         setattr(module, cls.__name__, cls)
@@ -659,7 +687,7 @@ def test_megatron_extras_become_inert(
     )
     megatron = MCoreMetadata(
         state_dict_metadata=real.state_dict_metadata,
-        planner_data={"sharded": ShardedTensor("model.0.weight")},
+        planner_data={"sharded": ShardedTensor("model.0.weight"), "object": ShardedObject("o")},
         storage_data=real.storage_data,
         storage_meta=real.storage_meta,
         version=real.version,
@@ -673,6 +701,7 @@ def test_megatron_extras_become_inert(
     inert = loaded.planner_data["sharded"]
     assert isinstance(inert, dcp_module._Inert) and inert.key == "model.0.weight"
     assert inert._origin == f"{module.__name__}.ShardedTensor"
+    assert loaded.planner_data["object"].key == "o"
     assert set(loaded.tensors) == set(open_index(plain[0]).tensors)
     full = _reassemble(open_index(directory))
     assert torch.equal(full["model.0.weight"], plain[1]["model.0.weight"])
