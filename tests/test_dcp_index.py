@@ -31,10 +31,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 import gradstat.snapshot.dcp as dcp_module
 from gradstat.errors import SnapshotError
+from gradstat.snapshot.checkpoint import KeyKind, classify_key
 from gradstat.snapshot.dcp import (
     DcpIndex,
-    classify_key,
-    entry_kind,
     is_dcp_directory,
     iter_chunks,
     load_metadata,
@@ -217,7 +216,7 @@ def test_grads_dump_in_either_data_format(tmp_path: Path, data_format: Serializa
     full = _reassemble(index)
     for name, grad in grads.items():
         assert torch.equal(full[f"grads.{name}"], grad)
-        assert classify_key(f"grads.{name}") == dcp_module.KeyKind("grad", name)
+        assert classify_key(f"grads.{name}") == KeyKind("grad", name)
 
 
 def test_safetensors_record_against_the_metadata(tmp_path: Path) -> None:
@@ -254,7 +253,7 @@ def test_kinds_of_a_get_state_dict_save(plain: tuple[Path, dict[str, Any]]) -> N
     got = {fqn: (classify_key(fqn).kind, classify_key(fqn).param) for fqn in index.tensors}
     assert got == expected
     for fqn in index.bytes_entries:  # param_groups, extra
-        assert entry_kind(fqn) == "other", fqn
+        assert classify_key(fqn).kind == "other", fqn
 
 
 def test_kinds_of_a_torchtitan_style_save(tmp_path: Path) -> None:
@@ -272,10 +271,10 @@ def test_kinds_of_a_torchtitan_style_save(tmp_path: Path) -> None:
         index = open_index(directory)
         kinds = {fqn: classify_key(fqn) for fqn in index.tensors}
         for name in names:
-            assert kinds[name] == dcp_module.KeyKind("weight", name)
+            assert kinds[name] == KeyKind("weight", name)
             for stat in ("exp_avg", "exp_avg_sq", "step"):
-                assert kinds[f"{prefix}state.{name}.{stat}"] == dcp_module.KeyKind(stat, name)
-        assert all(entry_kind(fqn) == "other" for fqn in index.bytes_entries)
+                assert kinds[f"{prefix}state.{name}.{stat}"] == KeyKind(stat, name)
+        assert all(classify_key(fqn).kind == "other" for fqn in index.bytes_entries)
         assert len(kinds) == 4 * len(names)
 
 
@@ -309,7 +308,7 @@ def test_kinds_of_a_torchtitan_style_save(tmp_path: Path) -> None:
     ],
 )
 def test_kinds_of_other_layouts(fqn: str, kind: str, param: str | None) -> None:
-    assert classify_key(fqn) == dcp_module.KeyKind(kind, param)
+    assert classify_key(fqn) == KeyKind(kind, param)
 
 
 # --- Two gloo ranks of FSDP2 ----------------------------------------------------------------
@@ -370,7 +369,7 @@ def test_fsdp2_uneven_shards_reassemble(fsdp: tuple[Path, dict[str, torch.Tensor
         assert rebuilt.keys() <= full.keys() and rebuilt
         for fqn, tensor in rebuilt.items():
             assert torch.equal(tensor, full[fqn]), fqn
-    assert {entry_kind(fqn) for fqn in open_index(root / "grads").tensors} == {"grad"}
+    assert {classify_key(fqn).kind for fqn in open_index(root / "grads").tensors} == {"grad"}
 
 
 @pytest.mark.multiprocess

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from gradstat.core.placements import MeshPlacement
     from gradstat.snapshot.format import RankHeader
 from gradstat.snapshot import Snapshot, SnapshotShare
+from gradstat.snapshot.dcp import is_dcp_directory
 from gradstat.snapshot.format import is_wgrads_name
 
 __all__ = [
@@ -80,9 +81,13 @@ class SnapshotInfo:
     # Every gradient is a DTensor: its placements decide what counts, and the header's
     # optimizer flag says nothing of the job's optimizer unless it was set.
     dtensor: bool = False
-    # "gradstat" (rank files) or "megatron-wgrads" (a --save-wgrads-interval dump, whose
-    # attributes gradstat rebuilt: ``inspect`` says by which rule).
+    # "gradstat" (rank files), "megatron-wgrads" (a --save-wgrads-interval dump, whose
+    # attributes gradstat rebuilt: ``inspect`` says by which rule) or "dcp" (a PyTorch
+    # distributed checkpoint).
     source: str = "gradstat"
+    # A checkpoint's tensors read: "grad", "weight", "exp_avg", "exp_avg_sq" or "all"; None
+    # for a gradient snapshot.
+    kind: str | None = None
 
 
 def _first_header(snapshot: Snapshot | SnapshotShare) -> RankHeader:
@@ -95,6 +100,7 @@ def _first_header(snapshot: Snapshot | SnapshotShare) -> RankHeader:
 
 def snapshot_info(snapshot: Snapshot | SnapshotShare) -> SnapshotInfo:
     header = _first_header(snapshot)
+    source = _source(snapshot)
     with_grad = [record for record in header.params if record.has_grad]
     return SnapshotInfo(
         str(snapshot.directory),
@@ -103,11 +109,16 @@ def snapshot_info(snapshot: Snapshot | SnapshotShare) -> SnapshotInfo:
         snapshot.distributed_optimizer,
         triggers=header.triggers,
         dtensor=bool(with_grad) and all(record.dtensor is not None for record in with_grad),
-        source=_source(snapshot),
+        source=source,
+        # A checkpoint's rank files name the kind they hold where others name the gradient's
+        # attribute.
+        kind=header.grad_attr if source == "dcp" else None,
     )
 
 
 def _source(snapshot: Snapshot | SnapshotShare) -> str:
+    if is_dcp_directory(snapshot.directory):
+        return "dcp"
     if isinstance(snapshot, SnapshotShare):
         first = snapshot.summaries[0].path
     else:
@@ -470,6 +481,7 @@ def inspect_report(snapshot: Snapshot) -> InspectReport:
     rows: dict[str, ParamInspectRow] = {}
     holders: dict[str, int] = {}
     sources: dict[str, list[str]] = {}
+    origin = _source(snapshot)
     for rank_file in snapshot.files:
         for record in rank_file.header.params:
             holders[record.name] = holders.get(record.name, 0) + 1
@@ -480,7 +492,9 @@ def inspect_report(snapshot: Snapshot) -> InspectReport:
             if record.name in rows:
                 continue
             placements = None
-            if record.dtensor is not None:
+            if origin == "dcp":
+                kind = "checkpoint chunk"
+            elif record.dtensor is not None:
                 kind = "dtensor"
                 placements = _placements_label(record.dtensor)
             elif record.attr("fsdp_param"):

@@ -300,6 +300,8 @@ def file_pieces(rank_file: RankFile, request: Request) -> list[Piece]:
     """The pieces of one rank file, in the file's parameter order (it is mapped meanwhile)."""
     with rank_file.params() as params:
         counted = [param for param in params if counts(rank_file, param)]
+        if rank_file.one_tensor_at_a_time:
+            return [piece for param in counted for piece in _one_piece(rank_file, param, request)]
         grads = [_grad(param, request) for param in counted]
         # One native call for the file's fp32 tensors: small ones cost less than the call.
         passes = native.fused_many_f32(grads) if request.one_pass else [None] * len(grads)
@@ -311,6 +313,17 @@ def file_pieces(rank_file: RankFile, request: Request) -> list[Piece]:
             pieces += _expert_row_pieces(rank_file, counted, grads, request)
         _log.debug("%s: %d of %d tensors counted", rank_file.path, len(pieces), len(params))
         return pieces
+
+
+def _one_piece(rank_file: RankFile, param: RebuiltParam, request: Request) -> list[Piece]:
+    """The pieces of one tensor read into memory (its expert rows too when asked), dropped
+    before the next is read."""
+    grad = _grad(param, request)
+    fused = native.fused_many_f32([grad])[0] if request.one_pass else None
+    pieces = [tensor_piece(rank_file, param, grad, request, fused)]
+    if request.split_experts:
+        pieces += _expert_row_pieces(rank_file, [param], [grad], request)
+    return pieces
 
 
 def _expert_row_pieces(

@@ -449,6 +449,14 @@ TiedOutputOption = Annotated[
         "embedding's tied copy: yes, no, or auto (equal gradients: tied).",
     ),
 ]
+KindOption = Annotated[
+    str | None,
+    typer.Option(
+        "--kind",
+        help="PyTorch distributed checkpoints: which tensors to read: grad, weight, exp_avg, "
+        "exp_avg_sq or all (default: grad when it holds gradients, else weight).",
+    ),
+]
 
 
 def _layout(
@@ -457,10 +465,11 @@ def _layout(
     etp: int | None,
     gtp: int | None,
     tied_output: str,
+    kind: str | None = None,
 ) -> WgradsOptions:
     from gradstat.snapshot.wgrads import WgradsOptions
 
-    return WgradsOptions.parse(tp_sharded or (), tp_replicated or (), etp, gtp, tied_output)
+    return WgradsOptions.parse(tp_sharded or (), tp_replicated or (), etp, gtp, tied_output, kind)
 
 
 def _finite(value: float) -> float:
@@ -657,6 +666,7 @@ def norm(
     etp: EtpOption = None,
     gtp: GtpOption = None,
     tied_output: TiedOutputOption = "auto",
+    kind: KindOption = None,
     status_file: StatusFileOption = None,
 ) -> None:
     """The global gradient norm as Megatron computes it, and each parameter's share (with
@@ -679,7 +689,7 @@ def norm(
         device,
         timeout,
         as_json,
-        _layout(tp_sharded, tp_replicated, etp, gtp, tied_output),
+        _layout(tp_sharded, tp_replicated, etp, gtp, tied_output, kind),
         per_expert,
     )
     if not prints:
@@ -721,6 +731,7 @@ def zeros(
     etp: EtpOption = None,
     gtp: GtpOption = None,
     tied_output: TiedOutputOption = "auto",
+    kind: KindOption = None,
     status_file: StatusFileOption = None,
 ) -> None:
     """num_zeros as Megatron counts it (GTP padding excluded), and per parameter (most zeros
@@ -741,7 +752,7 @@ def zeros(
         device,
         timeout,
         as_json,
-        _layout(tp_sharded, tp_replicated, etp, gtp, tied_output),
+        _layout(tp_sharded, tp_replicated, etp, gtp, tied_output, kind),
         per_expert,
     )
     if not prints:
@@ -779,6 +790,7 @@ def clip(
     etp: EtpOption = None,
     gtp: GtpOption = None,
     tied_output: TiedOutputOption = "auto",
+    kind: KindOption = None,
     status_file: StatusFileOption = None,
 ) -> None:
     """Write a clipped copy of a snapshot (clip_grad_by_total_norm_fp32 semantics).
@@ -798,7 +810,7 @@ def clip(
     from gradstat.snapshot import Snapshot
     from gradstat.snapshot.clip import check_output_dir, write_clipped
 
-    layout = _layout(tp_sharded, tp_replicated, etp, gtp, tied_output)
+    layout = _layout(tp_sharded, tp_replicated, etp, gtp, tied_output, kind)
     if launch_rank() == 0:  # process 0 alone writes the copy, maybe on its own machine
         check_output_dir(snapshot_dir, out)
     opened, stats, prints = _statistics(snapshot_dir, (p,), False, device, timeout, as_json, layout)
@@ -852,6 +864,7 @@ def compare(
     etp: EtpOption = None,
     gtp: GtpOption = None,
     tied_output: TiedOutputOption = "auto",
+    kind: KindOption = None,
     status_file: StatusFileOption = None,
 ) -> None:
     """Two snapshots of one model, parameter by parameter, whatever their layouts.
@@ -864,7 +877,7 @@ def compare(
     from gradstat.distributed.runner import pick_device, together
     from gradstat.snapshot import Snapshot
 
-    layout = _layout(tp_sharded, tp_replicated, etp, gtp, tied_output)
+    layout = _layout(tp_sharded, tp_replicated, etp, gtp, tied_output, kind)
     _refuse_run_dir(snapshot_a, snapshot_b)
     processes = _session().join(timeout, [snapshot_a, snapshot_b], as_json)
     *snapshots, where = together(
@@ -895,6 +908,7 @@ def audit(
     etp: EtpOption = None,
     gtp: GtpOption = None,
     tied_output: TiedOutputOption = "auto",
+    kind: KindOption = None,
     status_file: StatusFileOption = None,
 ) -> None:
     """Check the gradients against what their attributes promise.
@@ -912,7 +926,7 @@ def audit(
     from gradstat.distributed.runner import pick_device, together
     from gradstat.snapshot import Snapshot
 
-    layout = _layout(tp_sharded, tp_replicated, etp, gtp, tied_output)
+    layout = _layout(tp_sharded, tp_replicated, etp, gtp, tied_output, kind)
     _refuse_run_dir(snapshot_dir)
     processes = _session().join(timeout, [snapshot_dir], as_json)
     snapshot, where = together(
@@ -935,6 +949,7 @@ def inspect(
     etp: EtpOption = None,
     gtp: GtpOption = None,
     tied_output: TiedOutputOption = "auto",
+    kind: KindOption = None,
     status_file: StatusFileOption = None,
 ) -> None:
     """What gradstat rebuilt: world size, axes, files, and each parameter's attributes."""
@@ -944,7 +959,7 @@ def inspect(
 
     _refuse_run_dir(snapshot_dir)
     report = inspect_report(
-        Snapshot.open(snapshot_dir, _layout(tp_sharded, tp_replicated, etp, gtp, tied_output))
+        Snapshot.open(snapshot_dir, _layout(tp_sharded, tp_replicated, etp, gtp, tied_output, kind))
     )
     _emit(as_json, report.to_json(), lambda console: print_inspect(console, report))
 
@@ -1001,6 +1016,7 @@ def history(
     etp: EtpOption = None,
     gtp: GtpOption = None,
     tied_output: TiedOutputOption = "auto",
+    kind: KindOption = None,
     status_file: StatusFileOption = None,
 ) -> None:
     """The total norm and every parameter over a run's steps, and where each first jumped.
@@ -1047,7 +1063,7 @@ def history(
         source=source,
         on_progress=progress,
         report=lambda line: typer.echo(f"gradstat: warning: {visible(line)}", err=True),
-        options=_layout(tp_sharded, tp_replicated, etp, gtp, tied_output),
+        options=_layout(tp_sharded, tp_replicated, etp, gtp, tied_output, kind),
     )
     session.stop_progress()
     if plot is not None or tensorboard is not None:
@@ -1093,6 +1109,7 @@ def explain(
     etp: EtpOption = None,
     gtp: GtpOption = None,
     tied_output: TiedOutputOption = "auto",
+    kind: KindOption = None,
     status_file: StatusFileOption = None,
 ) -> None:
     """Which miscount of the snapshot's gradients gives the number a framework logged.
@@ -1114,7 +1131,7 @@ def explain(
     from gradstat.cli.render import print_explain
     from gradstat.distributed.runner import open_shared
 
-    layout = _layout(tp_sharded, tp_replicated, etp, gtp, tied_output)
+    layout = _layout(tp_sharded, tp_replicated, etp, gtp, tied_output, kind)
     _refuse_run_dir(snapshot_dir)
     processes = _session().join(timeout, [snapshot_dir], as_json)
     snapshot = open_shared(processes, snapshot_dir, layout)

@@ -148,6 +148,10 @@ def _header(console: Console, info: SnapshotInfo) -> None:
     if info.source == "megatron-wgrads":
         # No optimizer is saved: the dump is the all-reduced main_grad of each writer.
         parts = [f"Megatron wgrads dump, {_count(info.world_size, 'file')}"]
+    elif info.source == "dcp":
+        from gradstat.snapshot.checkpoint import kind_said
+
+        parts = [f"DCP checkpoint, {kind_said(info.kind or '')}"]
     elif info.distributed_optimizer:
         parts = [_count(info.world_size, "rank"), "distributed optimizer"]
     elif info.dtensor:
@@ -296,12 +300,13 @@ def print_inspect(console: Console, report: InspectReport) -> None:
     _header(console, report.snapshot)
     axes = _shown(", ".join(f"{axis}={size}" for axis, size in report.axes.items() if size > 1))
     total = sum(file.bytes for file in report.files)
-    rebuilt = report.snapshot.source == "megatron-wgrads"
-    made = (
-        "attributes rebuilt from Megatron's names and the files' shapes"
-        if rebuilt
-        else f"format version {report.format_version}"
-    )
+    rebuilt = report.snapshot.source in ("megatron-wgrads", "dcp")
+    if report.snapshot.source == "dcp":
+        made = "chunks placed by the checkpoint's metadata (each data file a rank file)"
+    elif rebuilt:
+        made = "attributes rebuilt from Megatron's names and the files' shapes"
+    else:
+        made = f"format version {report.format_version}"
     console.print(
         f"{made}; axes: {axes or 'none split'}; "
         f"{_count(len(report.files), 'file')}, {_count(total, 'byte')}"
@@ -317,7 +322,7 @@ def print_inspect(console: Console, report: InspectReport) -> None:
             notes.append(row.placements)
         if row.tensor_parallel:
             notes.append(f"TP partition dim {row.partition_dim}")
-        elif row.kind not in ("fsdp shard", "dtensor"):
+        elif row.kind not in ("fsdp shard", "dtensor", "checkpoint chunk"):
             notes.append("replicated over TP")
         if row.shared:
             notes.append("shared copy (not counted)")

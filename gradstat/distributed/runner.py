@@ -40,6 +40,7 @@ from gradstat.distributed.launcher import launch_rank, launched
 from gradstat.errors import GradstatError, StoppedTogether
 from gradstat.snapshot import RankFile, Snapshot, SnapshotShare
 from gradstat.snapshot.container import MAX_HEADER_BYTES
+from gradstat.snapshot.dcp import is_dcp_directory
 from gradstat.snapshot.format import is_wgrads_name
 from gradstat.snapshot.reader import FileSummary, open_rank_files, rank_file_names
 
@@ -275,7 +276,8 @@ def open_shared(
         return Snapshot.open(directory, options)
     folder = Path(directory)
     # A dump's attributes are rebuilt from every file's names and shapes: each process reads
-    # every file's pickle (no tensor) and reduces its share.
+    # every file's pickle (no tensor) and reduces its share. A checkpoint's metadata is one
+    # file: each process reads it, and the chunks of its share of the data files.
     whole = together(processes, lambda: _whole_dump(folder, options))
     if whole is not None:
         every = tuple(FileSummary.of(rank_file) for rank_file in whole.files)
@@ -294,8 +296,9 @@ def open_shared(
 
 
 def _whole_dump(folder: Path, options: WgradsOptions | None) -> Snapshot | None:
-    """The Megatron wgrads dump in ``folder``, opened whole; None for gradstat's rank files."""
-    if is_wgrads_name(rank_file_names(folder)[0]):
+    """The Megatron wgrads dump or the DCP checkpoint in ``folder``, opened whole; None for
+    gradstat's rank files."""
+    if is_dcp_directory(folder) or is_wgrads_name(rank_file_names(folder)[0]):
         return Snapshot.open(folder, options)
     return None
 

@@ -17,8 +17,9 @@ below gradstat's snapshot reader:
 - :func:`read_chunk` and :func:`iter_chunks` read a chunk's exact byte range, a ``torch.save``
   record (loaded with ``weights_only=True``) or a tensor of a safetensors data file, and check
   it against the metadata. Bytes entries (pickled objects) are listed, never read.
-- :func:`classify_key` names what a key holds: a gradient, an Adam moment, a step counter, a
-  weight, or something else, and the parameter it belongs to.
+
+What each key holds (a gradient, an Adam moment, a weight) is :mod:`gradstat.snapshot.checkpoint`'s
+to say, which reads a checkpoint as a snapshot.
 """
 
 from __future__ import annotations
@@ -42,16 +43,12 @@ import torch
 from gradstat.errors import SnapshotError
 
 __all__ = [
-    "KINDS",
     "BytesEntry",
     "ChunkRef",
     "DcpIndex",
-    "KeyKind",
     "MetadataFile",
     "StorageRef",
     "TensorEntry",
-    "classify_key",
-    "entry_kind",
     "is_dcp_directory",
     "iter_chunks",
     "load_metadata",
@@ -974,65 +971,3 @@ def _read_safetensors(
         return torch.empty(shape, dtype=dtype)
     data = bytearray(_read_exactly(file, path, chunk.fqn, data_start + begin, nbytes))
     return torch.frombuffer(data, dtype=dtype).reshape(shape)
-
-
-# --- Kinds of keys --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class KeyKind:
-    """What a checkpoint key holds, and the parameter it belongs to (None when none)."""
-
-    kind: str
-    param: str | None
-
-
-KINDS = ("grad", "exp_avg", "exp_avg_sq", "step", "weight", "other")
-_MOMENTS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "step": "step"}
-# Optimizer states that are not moments or counters; Megatron's fp32_param is a master weight.
-_OTHER_STATES = frozenset({"max_exp_avg_sq", "momentum_buffer", "fp32_param", "square_avg"})
-# Top-level keys of trainers' checkpoints that hold no model parameters (torchtitan's and
-# DCP's tutorials' names).
-_NON_MODEL_ROOTS = frozenset(
-    {"lr_scheduler", "lr_schedulers", "dataloader", "train_state", "extra", "rng", "scheduler"}
-)
-
-
-def classify_key(fqn: str) -> KeyKind:
-    """Classify a checkpoint key as the checkpoint holds it.
-
-    - ``grads.<param>``: a gradient dump (``dcp.save({"grads": {name: p.grad}})``).
-    - ``[optimizer.]state.<param>.<stat>`` (``get_state_dict``'s and torchtitan's flattening)
-      or ``optimizer.state.<stat>.<param>`` (Megatron's): ``exp_avg``, ``exp_avg_sq``, ``step``
-      by stat; another stat (``max_exp_avg_sq``, ``fp32_param``...) is ``other``.
-    - ``[optimizer.]param_groups...``, and the roots of trainer state (``lr_scheduler``,
-      ``dataloader``, ``train_state``, ``extra``...): ``other``, no parameter.
-    - ``model.<param>``, or any other key (torchtitan saves model keys at the top level):
-      ``weight``.
-    """
-    parts = fqn.split(".")
-    if parts[0] == "grads" and len(parts) > 1:
-        return KeyKind("grad", fqn[len("grads.") :])
-    if parts[0] == "optimizer":
-        parts = parts[1:]
-        if not parts:
-            return KeyKind("other", None)
-    elif parts[0] not in ("state", "param_groups"):
-        if parts[0] in _NON_MODEL_ROOTS:
-            return KeyKind("other", None)
-        param = fqn[len("model.") :] if parts[0] == "model" and len(parts) > 1 else fqn
-        return KeyKind("weight", param)
-    if parts[0] == "state" and len(parts) >= 3:
-        if parts[1] in _MOMENTS or parts[1] in _OTHER_STATES:
-            stat_name, param = parts[1], ".".join(parts[2:])
-        else:
-            stat_name, param = parts[-1], ".".join(parts[1:-1])
-        return KeyKind(_MOMENTS.get(stat_name, "other"), param)
-    if parts[0] == "param_groups" and len(parts) >= 3 and not parts[1].isdigit():
-        return KeyKind("other", ".".join(parts[1:-1]))  # flattened: param_groups.<param>.<key>
-    return KeyKind("other", None)
-
-
-def entry_kind(fqn: str) -> str:
-    """The kind of a checkpoint key: one of :data:`KINDS` (see :func:`classify_key`)."""
-    return classify_key(fqn).kind

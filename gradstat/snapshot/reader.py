@@ -12,7 +12,7 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -26,6 +26,7 @@ from gradstat.snapshot.container import (
     read_container,
     write_container,
 )
+from gradstat.snapshot.dcp import is_dcp_directory
 from gradstat.snapshot.format import (
     METADATA_KEY,
     TORCH_SIZE_LIMIT,
@@ -124,6 +125,9 @@ class RankFile:
 
     header: RankHeader
     container: Container
+    # Its tensors are read into memory when asked for (a checkpoint's chunks), not mapped:
+    # readers then take them one at a time.
+    one_tensor_at_a_time: ClassVar[bool] = False
 
     @property
     def path(self) -> Path:
@@ -272,15 +276,22 @@ class Snapshot(_Described):
     ) -> Snapshot:
         """Read and validate every rank file's header; no gradient is read.
 
-        ``directory`` holds gradstat's rank files, or a Megatron wgrads dump (``mp_rank_*.pth``,
-        read by :mod:`gradstat.snapshot.wgrads` with ``options``).
+        ``directory`` holds gradstat's rank files, a Megatron wgrads dump (``mp_rank_*.pth``,
+        read by :mod:`gradstat.snapshot.wgrads` with ``options``), or a PyTorch distributed
+        checkpoint (read by :mod:`gradstat.snapshot.checkpoint`, ``options.kind`` of it).
 
         Raises:
             SnapshotError: naming the directory or file and what is wrong.
         """
         folder = Path(directory)
-        names = rank_file_names(folder)
         files: list[RankFile]
+        if is_dcp_directory(folder):
+            from gradstat.snapshot.checkpoint import open_checkpoint
+
+            files = list(open_checkpoint(folder, options.kind if options else None))
+            _check_whole(folder, files)
+            return cls(folder, tuple(files))
+        names = rank_file_names(folder)
         if is_wgrads_name(names[0]):
             from gradstat.snapshot.wgrads import open_wgrads
 
@@ -352,9 +363,10 @@ def rank_file_names(folder: Path) -> list[str]:
 
 
 def holds_rank_files(folder: Path) -> bool:
-    """Whether ``folder`` holds rank files of either kind (no error when it cannot be read)."""
+    """Whether ``folder`` holds rank files of any kind, or is a DCP checkpoint (no error when
+    it cannot be read)."""
     try:
-        return any(
+        return is_dcp_directory(folder) or any(
             name.endswith(".safetensors") or is_wgrads_name(name) for name in os.listdir(folder)
         )
     except OSError:

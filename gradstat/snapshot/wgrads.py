@@ -123,6 +123,8 @@ class WgradsOptions:
         gtp: the generalized tensor-parallel size (> 1 is refused: see the module doc).
         tied_output: whether the last stage's ``output_layer.weight`` is the embedding's tied
             copy (None: decided by its values).
+        kind: of a DCP checkpoint, which tensors (``gradstat.snapshot.checkpoint.KINDS``;
+            None: its gradients when it holds any, else its weights).
     """
 
     tp_sharded: tuple[tuple[str, int], ...] = ()
@@ -130,6 +132,7 @@ class WgradsOptions:
     etp: int | None = None
     gtp: int | None = None
     tied_output: bool | None = None
+    kind: str | None = None
 
     @classmethod
     def parse(
@@ -139,6 +142,7 @@ class WgradsOptions:
         etp: int | None = None,
         gtp: int | None = None,
         tied_output: str = "auto",
+        kind: str | None = None,
     ) -> WgradsOptions:
         """The options as the CLI gives them (``--tp-sharded 'PATTERN=DIM'``, ...).
 
@@ -160,7 +164,7 @@ class WgradsOptions:
         tied = {"auto": None, "yes": True, "no": False}
         if tied_output not in tied:
             raise ArgumentError(f"--tied-output must be auto, yes or no, got {tied_output!r}")
-        return cls(tuple(rows), tuple(tp_replicated), etp, gtp, tied[tied_output])
+        return cls(tuple(rows), tuple(tp_replicated), etp, gtp, tied[tied_output], kind)
 
     def sharding(self, name: str) -> tuple[int | None, str] | None:
         """``(dim or None, why)`` for the local ``name``; None when no row knows it."""
