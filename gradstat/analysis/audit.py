@@ -30,6 +30,12 @@ And what the gradients of MoE layers say (experts recognised by name, as
 - ``no_gradient``: an expert parameter or a router (every parameter of an expert: one
   finding) has no gradient on any rank; a dense parameter without one is frozen, not a finding;
 - ``router_zero``: a router's gradient is all zero while its layer's experts have gradients.
+
+And of a PyTorch distributed checkpoint's tensors (``--kind``):
+
+- ``moment_zero``: an Adam moment (``exp_avg``, ``exp_avg_sq``) that is zero in every element:
+  its parameter never got a non-zero gradient (frozen, or outside the loss);
+- ``nonfinite``: a tensor (weight, moment, gradient) holding NaN or Inf, counted by rank file.
 """
 
 from __future__ import annotations
@@ -45,7 +51,16 @@ from torch import Tensor
 
 from gradstat.analysis.experts import expert_issues
 from gradstat.analysis.report import AuditReport, Finding, snapshot_info
-from gradstat.analysis.stats import Request, counts, gather_pieces, merge, nan_max, relative_to
+from gradstat.analysis.stats import (
+    NonFinite,
+    Request,
+    SnapshotStats,
+    counts,
+    gather_pieces,
+    merge,
+    nan_max,
+    relative_to,
+)
 from gradstat.analysis.tiles import MappedFiles, Tile, box, chunks, snapshot_tiles
 from gradstat.distributed.runner import Processes, gather_jobs
 from gradstat.snapshot import RebuiltParam, Snapshot
@@ -479,13 +494,40 @@ def audit_snapshot(
     for issue in expert_issues(stats, headers):
         # Nothing is miscounted: the norm is what it is, only the model's training is off.
         findings.append(_finding(_raw(issue.kind, issue.name, issue.ranks, issue.detail), total))
+    info = snapshot_info(snapshot)
+    if info.source == "dcp":
+        findings += [_finding(raw, total) for raw in _checkpoint_issues(stats, info.kind or "")]
     return AuditReport(
-        snapshot=snapshot_info(snapshot),
+        snapshot=info,
         rtol=rtol,
         total_norm=total,
         params_checked=len(tiles),
         findings=tuple(findings),
     )
+
+
+def _checkpoint_issues(stats: SnapshotStats, kind: str) -> list[dict[str, Any]]:
+    """A checkpoint's moments that are zero throughout, and its tensors holding NaN or Inf."""
+    from gradstat.snapshot.checkpoint import classify_key, kind_said
+
+    found = []
+    for param in stats.params:
+        held = classify_key(param.name).kind if kind == "all" else kind
+        if held in ("exp_avg", "exp_avg_sq") and param.numel and param.zeros == param.numel:
+            detail = (
+                f"its {held} is zero in all {param.numel} elements: the parameter never got a "
+                "non-zero gradient (frozen, or outside the loss)"
+            )
+            found.append(_raw("moment_zero", param.name, param.ranks, detail))
+    by_name: dict[str, list[NonFinite]] = defaultdict(list)
+    for item in stats.nonfinite:
+        by_name[item.name].append(item)
+    for name, items in by_name.items():
+        nan, inf = sum(item.nan for item in items), sum(item.inf for item in items)
+        what = "the tensor" if kind == "all" else f"its {kind_said(kind)}"
+        detail = f"{nan} NaN and {inf} Inf elements in {what}"
+        found.append(_raw("nonfinite", name, [item.rank for item in items], detail))
+    return found
 
 
 def _finding(raw: dict[str, Any], total: float) -> Finding:

@@ -19,6 +19,7 @@ from torch import Tensor
 from gradstat.analysis.report import (
     CompareReport,
     ParamDiff,
+    SnapshotInfo,
     TotalDiff,
     snapshot_info,
 )
@@ -80,7 +81,13 @@ def _elementwise(tiles_a: list[Tile], tiles_b: list[Tile]) -> dict[str, Any]:
     """Rebuild one parameter on both sides and measure their largest elementwise difference."""
     name = tiles_a[0].name
     plans = plan(name, tiles_a), plan(name, tiles_b)
-    result: dict[str, Any] = {"shape_a": None, "shape_b": None, "max_abs_diff": None, "scale": None}
+    result: dict[str, Any] = {
+        "shape_a": None,
+        "shape_b": None,
+        "max_abs_diff": None,
+        "scale": None,
+        "diff_norm": None,
+    }
     reasons = []
     for side, found in zip("ab", plans, strict=True):
         if isinstance(found, str):
@@ -100,7 +107,9 @@ def _elementwise(tiles_a: list[Tile], tiles_b: list[Tile]) -> dict[str, Any]:
             segments(layout, files) or [assemble(layout, files).reshape(-1)]
             for layout, files in ((plan_a, files_a), (plan_b, files_b))
         )
-        result["max_abs_diff"], result["scale"] = _largest_difference(pieces_a, pieces_b)
+        result["max_abs_diff"], result["scale"], result["diff_norm"] = _differences(
+            pieces_a, pieces_b
+        )
         del pieces_a, pieces_b  # they view the maps, which close with the block
     return result
 
@@ -119,25 +128,35 @@ def _aligned(pieces_a: list[Tensor], pieces_b: list[Tensor]) -> Iterator[tuple[T
             index_b, offset_b = index_b + 1, 0
 
 
-def _largest_difference(pieces_a: list[Tensor], pieces_b: list[Tensor]) -> tuple[float, float]:
-    """max |a - b| (NaN where only one side is NaN) and the largest |element| of either."""
+def _differences(pieces_a: list[Tensor], pieces_b: list[Tensor]) -> tuple[float, float, float]:
+    """max |a - b| (NaN where only one side is NaN), the largest |element| of either, and
+    ||a - b||_2 (between two checkpoints, the update), in float64."""
     pairs = list(_aligned(pieces_a, pieces_b))
     if all(a.dtype == b.dtype and torch.equal(a, b) for a, b in pairs):
-        return 0.0, 0.0  # the usual case, in one pass (the scale matters only for a difference)
+        return 0.0, 0.0, 0.0  # the usual case, in one pass (the scale matters for a difference)
     largest_diff, largest = 0.0, 0.0
+    squares = []
     for block_a, block_b in (block for a, b in pairs for block in chunks(a, b)):
         wide_a, wide_b = block_a.double(), block_b.double()
         both_nan = wide_a.isnan() & wide_b.isnan()
         diff = (wide_a - wide_b).abs_().masked_fill_(both_nan, 0.0)
         # max() propagates NaN: a NaN on one side only is a NaN difference.
         largest_diff = nan_max((largest_diff, float(diff.max()) if diff.numel() else 0.0))
+        squares.append(float(diff.square_().sum()))
         for block in (wide_a, wide_b):
             if block.numel():
                 largest = max(largest, float(block.abs().nan_to_num_(0.0).max()))
-    return largest_diff, largest
+    return largest_diff, largest, math.sqrt(math.fsum(squares))
 
 
-def _totals(stats_a: SnapshotStats, stats_b: SnapshotStats, rtol: float) -> tuple[TotalDiff, ...]:
+def is_update(a: SnapshotInfo, b: SnapshotInfo) -> bool:
+    """Whether A and B are two checkpoints' weights: their difference is the update, expected."""
+    return a.source == b.source == "dcp" and a.kind == b.kind == "weight"
+
+
+def _totals(
+    stats_a: SnapshotStats, stats_b: SnapshotStats, rtol: float, updates: bool = False
+) -> tuple[TotalDiff, ...]:
     figures: list[tuple[str, float | int, float | int]] = [
         ("total_norm", stats_a.norm(2.0), stats_b.norm(2.0)),
         ("dense_norm", stats_a.norm(2.0, expert=False), stats_b.norm(2.0, expert=False)),
@@ -149,7 +168,10 @@ def _totals(stats_a: SnapshotStats, stats_b: SnapshotStats, rtol: float) -> tupl
     for measure, a, b in figures:
         diff = rel_diff(float(a), float(b))
         exact = isinstance(a, int)
-        flagged = a != b if exact else _beyond(diff, rtol)
+        if updates and measure in ("total_norm", "dense_norm", "expert_norm", "num_zeros"):
+            flagged = False  # a step changes the weights: only their number must stay
+        else:
+            flagged = a != b if exact else _beyond(diff, rtol)
         totals.append(TotalDiff(measure, a, b, diff, flagged, ratio(float(a), float(b))))
     return tuple(totals)
 
@@ -159,6 +181,7 @@ def _param_diff(
     stats: tuple[dict[str, ParamStats], dict[str, ParamStats]],
     elementwise: dict[str, Any] | None,
     rtol: float,
+    updates: bool = False,
 ) -> ParamDiff:
     a, b = (side.get(name) for side in stats)
     flags = []
@@ -167,10 +190,10 @@ def _param_diff(
     norm_a = None if a is None else a.norm(2.0)
     norm_b = None if b is None else b.norm(2.0)
     diff = None if norm_a is None or norm_b is None else rel_diff(norm_a, norm_b)
-    if _beyond(diff, rtol):
+    if _beyond(diff, rtol) and not updates:
         flags.append("norm")
     if a is not None and b is not None:
-        if a.zeros != b.zeros:
+        if a.zeros != b.zeros and not updates:
             flags.append("zeros")
         if a.numel != b.numel:
             flags.append("num_elements")
@@ -179,10 +202,16 @@ def _param_diff(
     if shape_a is not None and shape_b is not None and shape_a != shape_b:
         flags.append("shape")
     max_abs_diff, scale = found.get("max_abs_diff"), found.get("scale")
+    diff_norm = found.get("diff_norm")
     rel_max = None
     if max_abs_diff is not None and scale is not None:
         rel_max = relative_to(max_abs_diff, scale)
-        if _beyond(rel_max, rtol):
+        if updates:
+            # Between two checkpoints of weights a difference is the update: what is flagged
+            # is a parameter that did not change (frozen, or never given a gradient).
+            if max_abs_diff == 0:
+                flags.append("unchanged")
+        elif _beyond(rel_max, rtol):
             flags.append("values")
     return ParamDiff(
         name=name,
@@ -198,6 +227,8 @@ def _param_diff(
         shape_b=None if shape_b is None else tuple(shape_b),
         max_abs_diff=max_abs_diff,
         rel_max_diff=rel_max,
+        diff_norm=diff_norm,
+        rel_diff_norm=None if diff_norm is None or not norm_a else diff_norm / norm_a,
         not_rebuilt=found.get("not_rebuilt") if elementwise is not None else None,
         flags=tuple(flags),
     )
@@ -237,13 +268,20 @@ def compare_snapshots(
         unit="parameters",
     )
     elementwise = dict(zip(common, found, strict=True))
-    params = tuple(_param_diff(name, by_name, elementwise.get(name), rtol) for name in names)
+    info_a, info_b = snapshot_info(snapshot_a), snapshot_info(snapshot_b)
+    updates = is_update(info_a, info_b)
+    params = tuple(
+        _param_diff(name, by_name, elementwise.get(name), rtol, updates) for name in names
+    )
+    if updates:  # the largest update first
+        params = tuple(sorted(params, key=lambda param: -(param.diff_norm or 0.0)))
     return CompareReport(
-        a=snapshot_info(snapshot_a),
-        b=snapshot_info(snapshot_b),
+        a=info_a,
+        b=info_b,
         rtol=rtol,
-        totals=_totals(stats_a, stats_b, rtol),
+        totals=_totals(stats_a, stats_b, rtol, updates),
         params=params,
         mismatches=tuple(param.name for param in params if param.flags),
         has_experts=any(param.expert for stats in (stats_a, stats_b) for param in stats.params),
+        updates=updates,
     )

@@ -609,6 +609,8 @@ class ParamDiff:
     rel_max_diff: float | None  # max_abs_diff relative to the largest |element| of both
     not_rebuilt: str | None  # why there is no elementwise difference
     flags: tuple[str, ...]
+    diff_norm: float | None = None  # ||a - b||_2, where both were rebuilt (the update)
+    rel_diff_norm: float | None = None  # diff_norm / norm_a (None where norm_a is 0)
 
 
 @dataclass(frozen=True)
@@ -632,6 +634,9 @@ class CompareReport:
     params: tuple[ParamDiff, ...]
     mismatches: tuple[str, ...]  # the flagged parameters, in module order
     has_experts: bool = False  # either side counts an expert parameter
+    # A and B are two checkpoints' weights: params come largest update (diff_norm) first, and
+    # what is flagged is a parameter that did not change, not one that did.
+    updates: bool = False
 
     @property
     def flagged(self) -> bool:

@@ -393,6 +393,10 @@ def _ratio(value: float) -> str:
     return f"{value:.4g}x"
 
 
+# Between two checkpoints' weights, the table's largest updates (--all: every parameter).
+UPDATES_SHOWN = 20
+
+
 def print_compare(console: Console, report: CompareReport, show_all: bool = False) -> None:
     for side, info in (("A", report.a), ("B", report.b)):
         console.print(f"{side}: ", end="")
@@ -410,11 +414,21 @@ def print_compare(console: Console, report: CompareReport, show_all: bool = Fals
         multiple = "" if isinstance(total.a, int) else _ratio(total.ratio)  # counts: no ratio
         totals.add_row(total.measure, a, b, shown, multiple)
     _print_table(console, totals)
+    updates = report.updates
     rows = [param for param in report.params if show_all or param.flags]
     scope = "all parameters" if show_all else "flagged parameters"
-    table = Table(title=f"{scope} ({len(report.mismatches)} of {len(report.params)} flagged)")
+    if updates and not show_all:
+        # Two checkpoints' weights: the largest updates (the report's order), and any unchanged.
+        largest = report.params[:UPDATES_SHOWN]
+        rows = [*largest, *(param for param in report.params[UPDATES_SHOWN:] if param.flags)]
+        scope = "largest updates, and parameters unchanged"
+    flagged = f"{len(report.mismatches)} of {len(report.params)} flagged"
+    table = Table(title=f"{scope} ({flagged})")
     table.add_column("parameter", no_wrap=True)
-    for column in ("L2 A", "L2 B", "rel. diff", "B/A", "zeros A", "zeros B", "max |A-B|"):
+    columns = ["L2 A", "L2 B", "rel. diff", "B/A", "zeros A", "zeros B", "max |A-B|"]
+    if updates:
+        columns += ["||B-A||", "/ ||A||"]
+    for column in columns:
         table.add_column(column, justify="right")
     table.add_column("flags")
     for param in rows:
@@ -431,6 +445,7 @@ def print_compare(console: Console, report: CompareReport, show_all: bool = Fals
             _maybe(param.zeros_a),
             _maybe(param.zeros_b),
             elementwise,
+            *((_maybe(param.diff_norm), _maybe(param.rel_diff_norm, 3)) if updates else ()),
             f"[bold red]{flags}[/]" if flags else "",
         )
     if rows:
@@ -441,7 +456,18 @@ def print_compare(console: Console, report: CompareReport, show_all: bool = Fals
             f"[dim]{_count(len(unplaced), 'parameter')} not compared element by element "
             f"(first: {_shown(unplaced[0].name)}: {_shown(unplaced[0].not_rebuilt or '')})[/]"
         )
-    if report.flagged:
+    if updates:
+        unchanged = sum("unchanged" in param.flags for param in report.params)
+        if unchanged:
+            console.print(
+                f"[bold red]{_count(unchanged, 'parameter')} did not change[/] from A to B "
+                "(frozen, or never given a gradient?)"
+            )
+        elif report.flagged:
+            console.print("the checkpoints [bold red]differ[/] in what they hold")
+        else:
+            console.print("every parameter [bold green]changed[/] from A to B")
+    elif report.flagged:
         console.print(f"the snapshots [bold red]differ[/] beyond rtol {report.rtol:g}")
     else:
         console.print(f"the snapshots [bold green]agree[/] within rtol {report.rtol:g}")
