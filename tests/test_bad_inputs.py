@@ -6,6 +6,8 @@ headers nested past Python's recursion limit, shapes past torch's 64-bit sizes, 
 a world size of 10^9 in a few kilobytes, 60,000 keys with one twice, and files truncated while
 a run reads them. Megatron wgrads dumps have their own: a pickle that would run code (it must
 not run), a list among the tensors, a truncated file, a missing TP file, a name no rule knows.
+So do PyTorch distributed checkpoints: a ``.metadata`` pickle that would run code (it must not
+run), a storage path out of the directory, a compressed entry, a truncated data file.
 """
 
 from __future__ import annotations
@@ -682,3 +684,99 @@ def test_bad_wgrads_dump(case: str, command: str, tmp_path: Path) -> None:
     assert message in lines[0], lines[0]
     assert _state(dump) == before
     assert not (tmp_path / "bad" / "ran").exists()
+
+
+# --- PyTorch distributed checkpoints ------------------------------------------------------------
+
+
+def _write_checkpoint(directory: Path) -> None:
+    """A small model and its AdamW state, saved by torch.distributed.checkpoint (one process)."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 3))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    weights, states = get_state_dict(model, optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # saved without a process group, as one process
+        dcp.save({"model": weights, "optimizer": states}, checkpoint_id=str(directory))
+
+
+def _edit_storage(change: Callable[[Any], Any]) -> Callable[[Path], None]:
+    """Rewrite the first weight chunk's storage entry of the (test's own, trusted) metadata."""
+
+    def make(checkpoint: Path) -> None:
+        path = checkpoint / ".metadata"
+        metadata = pickle.loads(path.read_bytes())
+        index = next(key for key in metadata.storage_data if key.fqn == "model.0.weight")
+        metadata.storage_data[index] = change(metadata.storage_data[index])
+        path.write_bytes(pickle.dumps(metadata))
+
+    return make
+
+
+def _replaced(**fields: Any) -> Callable[[Any], Any]:
+    import dataclasses
+
+    return lambda info: dataclasses.replace(info, **fields)
+
+
+def _cut_data(checkpoint: Path) -> None:
+    (path,) = checkpoint.glob("*.distcp")
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+CHECKPOINT_CASES: dict[str, tuple[Callable[[Path], None], str]] = {
+    "a metadata pickle that would run code": (
+        lambda checkpoint: (checkpoint / ".metadata").write_bytes(
+            pickle.dumps(_RunsCode(checkpoint.parent / "ran"))
+        ),
+        "refused to unpickle",
+    ),
+    "a storage path out of the directory": (
+        _edit_storage(_replaced(relative_path="../outside.distcp")),
+        "model.0.weight",
+    ),
+    "a compressed entry": (
+        _edit_storage(_replaced(transform_descriptors=["zstd"])),
+        "model.0.weight",
+    ),
+    "a truncated data file": (_cut_data, "__0_0.distcp"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CHECKPOINT_CASES))
+@pytest.mark.parametrize("command", ["norm", "zeros", "audit", "compare", "inspect"])
+def test_bad_checkpoint(case: str, command: str, tmp_path: Path) -> None:
+    good, checkpoint = tmp_path / "good", tmp_path / "bad" / "step-1"
+    _write_checkpoint(good)
+    shutil.copytree(good, checkpoint)
+    make, message = CHECKPOINT_CASES[case]
+    make(checkpoint)
+    before = _state(checkpoint)
+    inputs = [str(good), str(checkpoint)] if command == "compare" else [str(checkpoint)]
+    result = CliRunner().invoke(app, [command, *inputs])
+    assert result.exit_code == 2, (result.stdout, result.stderr)
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("gradstat: error: ") and str(checkpoint) in lines[0], lines[0]
+    assert message in lines[0], lines[0]
+    assert _state(checkpoint) == before
+    assert not (tmp_path / "bad" / "ran").exists()
+
+
+def test_a_kind_the_checkpoint_lacks_is_named_with_what_it_holds(tmp_path: Path) -> None:
+    _write_checkpoint(tmp_path)
+    result = CliRunner().invoke(app, ["norm", str(tmp_path), "--kind", "grad"])
+    assert result.exit_code == 2 and result.stdout == ""
+    (line,) = result.stderr.strip().splitlines()
+    assert "holds no gradients" in line and "model weights (4)" in line, line
+    result = CliRunner().invoke(app, ["norm", str(tmp_path), "--kind", "moments"])
+    assert result.exit_code == 2 and "--kind 'moments' is not a kind" in result.stderr
