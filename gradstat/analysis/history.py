@@ -67,8 +67,8 @@ def find_snapshots(root: Path) -> list[Path]:
     ]
     if not found:
         raise SnapshotError(
-            f"{root}: no snapshot directories (with *.safetensors, or a Megatron wgrads dump's "
-            "mp_rank_*.pth) inside, and no telemetry log"
+            f"{root}: no snapshot directories (with *.safetensors, a Megatron wgrads dump's "
+            "mp_rank_*.pth, or a DCP checkpoint's .metadata) inside, and no telemetry log"
         )
     return found
 
