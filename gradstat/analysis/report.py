@@ -534,7 +534,7 @@ def inspect_report(snapshot: Snapshot) -> InspectReport:
         axes=snapshot.axis_sizes,
         files=files,
         params=params,
-        notes=_placement_notes(snapshot),
+        notes=_checkpoint_notes(snapshot) + _placement_notes(snapshot),
     )
 
 
@@ -543,6 +543,21 @@ def _placements_label(dtensor: MeshPlacement) -> str:
     dims = [f"{code} on {dtensor.dim_name(dim)}" for dim, code in enumerate(dtensor.placements)]
     dims += [f"copy over {name}" for name, _, _ in dtensor.copies]
     return ", ".join(dims)
+
+
+def _checkpoint_notes(snapshot: Snapshot) -> tuple[str, ...]:
+    """What a DCP checkpoint holds besides the kind read (``inspect`` says it plainly)."""
+    from gradstat.snapshot.checkpoint import CheckpointFile, kind_said
+
+    first = snapshot.files[0]
+    if not isinstance(first, CheckpointFile):
+        return ()
+    held = ", ".join(f"{kind_said(kind)} ({count})" for kind, count in first.holds)
+    objects = f"; and {first.bytes_entries} non-tensor entries (never read)"
+    return (
+        f"the checkpoint holds {held}{objects if first.bytes_entries else ''}; read: "
+        f"{kind_said(first.kind)} (--kind grad|weight|exp_avg|exp_avg_sq|all)",
+    )
 
 
 def _placement_notes(snapshot: Snapshot) -> tuple[str, ...]:

@@ -157,6 +157,10 @@ class CheckpointFile(RankFile):
     kind: str = "weight"
     chunks: dict[str, ChunkRef] = field(default_factory=dict)  # by record name
     keys: dict[str, str] = field(default_factory=dict)  # record name: the checkpoint's key
+    # What the whole checkpoint holds, read or not: (kind, tensors) by kind, and its bytes
+    # entries (pickled objects, never read).
+    holds: tuple[tuple[str, int], ...] = ()
+    bytes_entries: int = 0
     # Chunks are read into memory (not mapped): a reader takes them one at a time.
     one_tensor_at_a_time: ClassVar[bool] = True
 
@@ -199,10 +203,8 @@ def _selected(index: DcpIndex, kind: str) -> dict[str, TensorEntry]:
             tensor of it that is not floating point, or two keys of it for one parameter.
     """
     found: dict[str, TensorEntry] = {}
-    held: dict[str, int] = {}
     for fqn, entry in index.tensors.items():
         key = classify_key(fqn)
-        held[key.kind] = held.get(key.kind, 0) + 1
         if kind == "all":
             if entry.dtype not in DTYPE_NAMES:
                 continue  # step counters and integer buffers are no statistic's
@@ -224,12 +226,21 @@ def _selected(index: DcpIndex, kind: str) -> dict[str, TensorEntry]:
             )
         found[name] = entry
     if not found:
-        holds = ", ".join(f"{kind_said(name)} ({count})" for name, count in sorted(held.items()))
+        holds = ", ".join(f"{kind_said(name)} ({count})" for name, count in held_kinds(index))
         raise SnapshotError(
             f"{index.directory}: the checkpoint holds no {kind_said(kind)}; it holds "
             f"{holds or 'no tensor'}: choose one with --kind {'|'.join(KINDS)}"
         )
     return found
+
+
+def held_kinds(index: DcpIndex) -> tuple[tuple[str, int], ...]:
+    """(kind, number of tensors) of every kind of key the checkpoint holds, by kind."""
+    held: dict[str, int] = {}
+    for fqn in index.tensors:
+        kind = classify_key(fqn).kind
+        held[kind] = held.get(kind, 0) + 1
+    return tuple(sorted(held.items()))
 
 
 def default_kind(index: DcpIndex) -> str:
@@ -264,6 +275,7 @@ def open_checkpoint(directory: Path, kind: str | None = None) -> list[Checkpoint
             groups.setdefault((path, occurrence), []).append((name, entry, chunk))
     world_size = len(groups)
     step = _step(directory)
+    holds = held_kinds(index)
     opened = []
     for rank, (path, occurrence) in enumerate(sorted(groups)):
         held = sorted(groups[path, occurrence], key=lambda item: item[2].storage.offset)
@@ -282,6 +294,8 @@ def open_checkpoint(directory: Path, kind: str | None = None) -> list[Checkpoint
                 kind=kind,
                 chunks={name: chunk for name, _, chunk in held},
                 keys={name: entry.fqn for name, entry, _ in held},
+                holds=holds,
+                bytes_entries=len(index.bytes_entries),
             )
         )
     return opened
