@@ -49,14 +49,14 @@ __all__ = [
 ]
 
 # What ``--kind`` selects: one kind of tensor by its parameter's name, or every floating-point
-# tensor by its key.
+# tensor but the optimizer's step counters by its key.
 KINDS = ("grad", "weight", "exp_avg", "exp_avg_sq", "all")
 _SAID = {
     "grad": "gradients",
     "weight": "model weights",
     "exp_avg": "Adam first moments (exp_avg)",
     "exp_avg_sq": "Adam second moments (exp_avg_sq)",
-    "all": "every floating-point tensor",
+    "all": "every floating-point tensor but step counters",
 }
 # The checkpoint's own folder names: torchtitan's ``step-N``, Megatron's ``iter_NNNNNNN``.
 _STEP = re.compile(r"^(?:step-|iter_)(\d+)$")
@@ -206,8 +206,8 @@ def _selected(index: DcpIndex, kind: str) -> dict[str, TensorEntry]:
     for fqn, entry in index.tensors.items():
         key = classify_key(fqn)
         if kind == "all":
-            if entry.dtype not in DTYPE_NAMES:
-                continue  # step counters and integer buffers are no statistic's
+            if entry.dtype not in DTYPE_NAMES or key.kind == "step":
+                continue  # step counters (float in AdamW) and integer buffers are no statistic's
             name = fqn
         elif key.kind != kind:
             continue
