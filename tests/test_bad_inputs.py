@@ -780,3 +780,10 @@ def test_a_kind_the_checkpoint_lacks_is_named_with_what_it_holds(tmp_path: Path)
     assert "holds no gradients" in line and "model weights (4)" in line, line
     result = CliRunner().invoke(app, ["norm", str(tmp_path), "--kind", "moments"])
     assert result.exit_code == 2 and "--kind 'moments' is not a kind" in result.stderr
+
+
+def test_a_kind_given_for_a_gradient_snapshot_is_refused() -> None:
+    result = CliRunner().invoke(app, ["norm", str(SAMPLE), "--kind", "weight"])
+    assert result.exit_code == 2 and result.stdout == ""
+    (line,) = result.stderr.strip().splitlines()
+    assert str(SAMPLE) in line and "this is a gradient snapshot, not a checkpoint" in line

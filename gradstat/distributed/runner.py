@@ -42,7 +42,12 @@ from gradstat.snapshot import RankFile, Snapshot, SnapshotShare
 from gradstat.snapshot.container import MAX_HEADER_BYTES
 from gradstat.snapshot.dcp import is_dcp_directory
 from gradstat.snapshot.format import is_wgrads_name
-from gradstat.snapshot.reader import FileSummary, open_rank_files, rank_file_names
+from gradstat.snapshot.reader import (
+    FileSummary,
+    open_rank_files,
+    rank_file_names,
+    refuse_kind,
+)
 
 if TYPE_CHECKING:
     from gradstat.snapshot.wgrads import WgradsOptions
@@ -278,6 +283,8 @@ def open_shared(
     # A dump's attributes are rebuilt from every file's names and shapes: each process reads
     # every file's pickle (no tensor) and reduces its share. A checkpoint's metadata is one
     # file: each process reads it, and the chunks of its share of the data files.
+    if not is_dcp_directory(folder):
+        together(processes, lambda: refuse_kind(folder, options))
     whole = together(processes, lambda: _whole_dump(folder, options))
     if whole is not None:
         every = tuple(FileSummary.of(rank_file) for rank_file in whole.files)

@@ -51,6 +51,7 @@ __all__ = [
     "open_rank_file",
     "open_rank_files",
     "rank_file_names",
+    "refuse_kind",
 ]
 
 # Axes whose coordinates, together, tell dense (expert) ranks apart.
@@ -291,6 +292,7 @@ class Snapshot(_Described):
             files = list(open_checkpoint(folder, options.kind if options else None))
             _check_whole(folder, files)
             return cls(folder, tuple(files))
+        refuse_kind(folder, options)
         names = rank_file_names(folder)
         if is_wgrads_name(names[0]):
             from gradstat.snapshot.wgrads import open_wgrads
@@ -360,6 +362,19 @@ def rank_file_names(folder: Path) -> list[str]:
             "dump (mp_rank_*.pth)"
         )
     return names or dumped
+
+
+def refuse_kind(folder: Path, options: WgradsOptions | None) -> None:
+    """Refuse ``--kind`` for a directory that is no DCP checkpoint: it would mean nothing.
+
+    Raises:
+        SnapshotError: a kind was given.
+    """
+    if options is not None and options.kind is not None:
+        raise SnapshotError(
+            f"{folder}: --kind {options.kind} chooses a PyTorch distributed checkpoint's "
+            "tensors; this is a gradient snapshot, not a checkpoint"
+        )
 
 
 def holds_rank_files(folder: Path) -> bool:
