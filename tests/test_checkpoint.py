@@ -610,3 +610,41 @@ def test_a_rank_local_copy_on_every_rank_counts_once(jobs: tuple[Path, dict[str,
     _check_norms(directory, tensors)
     # Against four copies, the norm would be sqrt(4 - 1) x the shared tensor's square sum more.
     assert _squares(tensors[SHARED]) > 0
+
+
+# --- Buffers that are not floating point ---------------------------------------------------------
+
+
+class _WithBuffers(torch.nn.Module):
+    """Model buffers that are no float: BatchNorm's int64 ``num_batches_tracked`` and a
+    persistent complex64 RoPE table (torchtitan's Llama registers ``freqs_cis`` so)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(native.SEED)
+        self.linear = torch.nn.Linear(4, 3)
+        self.batch_norm = torch.nn.BatchNorm1d(3)
+        angles = torch.outer(torch.arange(4.0), torch.tensor([1.0, 0.1]))
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        result: torch.Tensor = self.batch_norm(self.linear(x))
+        return result
+
+
+def test_a_model_with_integer_and_complex_buffers(tmp_path: Path) -> None:
+    """A model's state holds buffers besides its weights; those that are no floating-point
+    tensor hold no statistic (as ``--kind all`` leaves them out) and must not stop the
+    floating-point ones from being read: every command refuses this checkpoint today."""
+    import torch.distributed.checkpoint as dcp
+
+    model = _WithBuffers()
+    model(torch.randn(5, 4)).sum().backward()
+    state = model.state_dict()
+    assert {state["batch_norm.num_batches_tracked"].dtype, state["freqs_cis"].dtype} == {
+        torch.int64,
+        torch.complex64,
+    }
+    dcp.save({"model": state}, checkpoint_id=tmp_path / "ckpt")
+    floating = {name: value.double() for name, value in state.items() if value.is_floating_point()}
+    _check_norms(tmp_path / "ckpt", floating)
