@@ -554,10 +554,17 @@ def _checkpoint_notes(snapshot: Snapshot) -> tuple[str, ...]:
         return ()
     held = ", ".join(f"{kind_said(kind)} ({count})" for kind, count in first.holds)
     objects = f"; and {first.bytes_entries} non-tensor entries (never read)"
-    return (
+    notes = [
         f"the checkpoint holds {held}{objects if first.bytes_entries else ''}; read: "
-        f"{kind_said(first.kind)} (--kind grad|weight|exp_avg|exp_avg_sq|all)",
-    )
+        f"{kind_said(first.kind)} (--kind grad|weight|exp_avg|exp_avg_sq|all)"
+    ]
+    if first.left_out:
+        shown = ", ".join(first.left_out[:3]) + (", ..." if len(first.left_out) > 3 else "")
+        notes.append(
+            f"{len(first.left_out)} tensors of that kind not read (step counters, or buffers "
+            f"of a type gradstat does not read): {shown}"
+        )
+    return tuple(notes)
 
 
 def _placement_notes(snapshot: Snapshot) -> tuple[str, ...]:

@@ -161,6 +161,7 @@ class CheckpointFile(RankFile):
     # entries (pickled objects, never read).
     holds: tuple[tuple[str, int], ...] = ()
     bytes_entries: int = 0
+    left_out: tuple[str, ...] = ()  # keys of the kind not read (see ``left_out``)
     # Chunks are read into memory (not mapped): a reader takes them one at a time.
     one_tensor_at_a_time: ClassVar[bool] = True
 
@@ -198,16 +199,22 @@ def _step(directory: Path) -> int | None:
 def _selected(index: DcpIndex, kind: str) -> dict[str, TensorEntry]:
     """The tensors of ``kind``, by the name their records take.
 
+    Model state holds buffers too: those of a type gradstat does not read (BatchNorm's int64
+    ``num_batches_tracked``, a complex ``freqs_cis``) are left out of the weights
+    (:func:`left_out` names them; ``inspect`` says so), as they are of ``all``, with the
+    optimizer's step counters.
+
     Raises:
         SnapshotError: the checkpoint holds no tensor of the kind (naming what it holds), a
-            tensor of it that is not floating point, or two keys of it for one parameter.
+            gradient or moment that is not floating point, or two keys of it for one parameter.
     """
     found: dict[str, TensorEntry] = {}
+    skipped = set(left_out(index, kind))
     for fqn, entry in index.tensors.items():
         key = classify_key(fqn)
+        if fqn in skipped:
+            continue
         if kind == "all":
-            if entry.dtype not in DTYPE_NAMES or key.kind == "step":
-                continue  # step counters (float in AdamW) and integer buffers are no statistic's
             name = fqn
         elif key.kind != kind:
             continue
@@ -232,6 +239,19 @@ def _selected(index: DcpIndex, kind: str) -> dict[str, TensorEntry]:
             f"{holds or 'no tensor'}: choose one with --kind {'|'.join(KINDS)}"
         )
     return found
+
+
+def left_out(index: DcpIndex, kind: str) -> tuple[str, ...]:
+    """The keys of ``kind`` that are not read: buffers of a type gradstat does not read among
+    the weights, and with ``all`` the step counters too."""
+    found = []
+    for fqn, entry in index.tensors.items():
+        held = classify_key(fqn).kind
+        if kind not in ("all", held) or kind not in ("all", "weight"):
+            continue
+        if entry.dtype not in DTYPE_NAMES or (kind == "all" and held == "step"):
+            found.append(fqn)
+    return tuple(found)
 
 
 def held_kinds(index: DcpIndex) -> tuple[tuple[str, int], ...]:
@@ -276,6 +296,7 @@ def open_checkpoint(directory: Path, kind: str | None = None) -> list[Checkpoint
     world_size = len(groups)
     step = _step(directory)
     holds = held_kinds(index)
+    skipped = left_out(index, kind)
     opened = []
     for rank, (path, occurrence) in enumerate(sorted(groups)):
         held = sorted(groups[path, occurrence], key=lambda item: item[2].storage.offset)
@@ -296,6 +317,7 @@ def open_checkpoint(directory: Path, kind: str | None = None) -> list[Checkpoint
                 keys={name: entry.fqn for name, entry, _ in held},
                 holds=holds,
                 bytes_entries=len(index.bytes_entries),
+                left_out=skipped,
             )
         )
     return opened
