@@ -19,8 +19,6 @@ import math
 import os
 import pickle
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +29,7 @@ from typer.testing import CliRunner
 from gradstat.cli import app
 from gradstat.testing import Case, LaunchReport, launch
 from tests import _torch_native as native
-from tests._cli import recipe
+from tests._cli import recipe, run_gradstat
 from tests._oracle import rel_err
 
 pytestmark = [
@@ -493,18 +491,9 @@ def test_compare_flags_a_checkpoint_against_itself_as_unchanged(
 
 def test_under_torchrun_the_numbers_are_the_same(jobs: tuple[Path, dict[str, Any]]) -> None:
     root, truth = jobs
-    command = ["-m", "gradstat", "norm", str(root / STEP_A), "--top", "1000", "--json"]
-    alone = subprocess.run(
-        [sys.executable, *command], capture_output=True, text=True, timeout=240, check=False
-    )
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    launched = subprocess.run(
-        [sys.executable, *launcher, *command],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
+    command = ["norm", str(root / STEP_A), "--top", "1000", "--json"]
+    alone = run_gradstat(*command, timeout=240)
+    launched = run_gradstat(*command, nproc=2, timeout=240)
     assert alone.returncode == launched.returncode == 0, launched.stderr[-2000:]
     assert launched.stdout == alone.stdout
     total = json.loads(alone.stdout)["total_norm"]
