@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter, Serializat
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 import gradstat.snapshot.dcp as dcp_module
+import gradstat.snapshot.dcp_pickle as dcp_pickle
 from gradstat.errors import SnapshotError
 from gradstat.snapshot.checkpoint import KeyKind, classify_key
 from gradstat.snapshot.dcp import (
@@ -698,7 +699,7 @@ def test_megatron_extras_become_inert(
         pickle.dump(megatron, file)
     loaded = load_metadata(directory / ".metadata")
     inert = loaded.planner_data["sharded"]
-    assert isinstance(inert, dcp_module._Inert) and inert.key == "model.0.weight"
+    assert isinstance(inert, dcp_pickle.Inert) and inert.key == "model.0.weight"
     assert inert._origin == f"{module.__name__}.ShardedTensor"
     assert loaded.planner_data["object"].key == "o"
     assert set(loaded.tensors) == set(open_index(plain[0]).tensors)

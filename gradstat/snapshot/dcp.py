@@ -5,12 +5,9 @@ A directory written by ``torch.distributed.checkpoint``'s ``FileSystemWriter`` h
 data files whose byte ranges the metadata's storage entries name. This module is the layer
 below gradstat's snapshot reader:
 
-- :func:`load_metadata` unpickles one metadata file by allowlist. DCP's own records (and
-  Megatron ``torch_dist`` extras) become inert stand-ins: plain objects that only store their
-  pickled state, so none of DCP's code runs on untrusted bytes, no ``torch.distributed`` import
-  is needed, and a DCP version that adds or renames fields is read by the attributes it has.
-  torch dtypes, layouts, memory formats, ``torch.Size``, pure paths and plain containers are
-  built as themselves; anything else is refused before it exists.
+- :func:`load_metadata` unpickles one metadata file by allowlist
+  (:mod:`gradstat.snapshot.dcp_pickle`: DCP's records as inert stand-ins, anything else
+  refused before it exists) and converts it to plain records.
 - :func:`open_index` merges the metadata files of a directory into a :class:`DcpIndex` and
   validates it: chunks tile their tensor exactly, every chunk has a storage entry inside the
   directory, data files are long enough, nothing is transformed (compressed, encrypted).
@@ -18,8 +15,8 @@ below gradstat's snapshot reader:
   record (loaded with ``weights_only=True``) or a tensor of a safetensors data file, and check
   it against the metadata. Bytes entries (pickled objects) are listed, never read.
 
-What each key holds (a gradient, an Adam moment, a weight) is :mod:`gradstat.snapshot.checkpoint`'s
-to say, which reads a checkpoint as a snapshot.
+What each key holds (a gradient, an Adam moment, a weight) is for
+:mod:`gradstat.snapshot.checkpoint` to say, which reads a checkpoint as a snapshot.
 """
 
 from __future__ import annotations
@@ -28,11 +25,9 @@ import io
 import json
 import math
 import os
-import pickle
 import re
 import stat
 import struct
-from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -41,6 +36,7 @@ from typing import IO, Any
 import torch
 
 from gradstat.errors import SnapshotError
+from gradstat.snapshot.dcp_pickle import Inert, MetadataUnpickler, Refused
 
 __all__ = [
     "BytesEntry",
@@ -59,45 +55,6 @@ __all__ = [
 
 GLOBAL_METADATA = ".metadata"
 _RANK_METADATA = re.compile(r"__(\d+)\.metadata")
-
-# DCP's own records, by the module that defines them (and where older versions defined them).
-# The planner records appear in Megatron's metadata (its cached ``all_local_plans``).
-_DCP_CLASSES: dict[str, frozenset[str]] = {
-    "torch.distributed.checkpoint.metadata": frozenset(
-        {
-            "Metadata",
-            "TensorStorageMetadata",
-            "BytesStorageMetadata",
-            "ChunkStorageMetadata",
-            "TensorProperties",
-            "MetadataIndex",
-            "StorageMeta",
-            "TensorInfo",
-            "_MEM_FORMAT_ENCODING",
-        }
-    ),
-    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo", "_StoragePrefix"}),
-    "torch.distributed.checkpoint.planner": frozenset(
-        {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData"}
-    ),
-    "torch.distributed._shard.sharded_tensor.metadata": frozenset(
-        {"TensorProperties", "MEM_FORMAT_ENCODING"}
-    ),
-}
-_MEGATRON_PREFIX = "megatron.core.dist_checkpointing."
-_CONTAINERS: dict[tuple[str, str], Any] = {
-    ("builtins", "dict"): dict,
-    ("builtins", "list"): list,
-    ("builtins", "tuple"): tuple,
-    ("builtins", "set"): set,
-    ("builtins", "frozenset"): frozenset,
-    ("collections", "OrderedDict"): OrderedDict,
-    ("collections", "defaultdict"): defaultdict,
-}
-# Paths (StorageMeta.checkpoint_id) come back as pure paths: no filesystem access.
-_PATH_MODULES = frozenset({"pathlib", "pathlib._local"})
-_POSIX_PATHS = frozenset({"PosixPath", "PurePosixPath", "Path", "PurePath"})
-_WINDOWS_PATHS = frozenset({"WindowsPath", "PureWindowsPath"})
 
 _ZIP_MAGIC = b"PK\x03\x04"
 _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -125,125 +82,6 @@ _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 _MAX_SAFETENSORS_HEADER = 100 * 2**20
 # DCP's key in a safetensors data file's __metadata__: per fqn, the offsets of its chunk.
 _SAFETENSORS_SHARDING_KEY = "DCP_SHARDING_INFO"
-
-
-# --- Safe unpickling ------------------------------------------------------------------------
-
-
-class _Inert:
-    """A pickled record rebuilt as data only: its state becomes attributes, nothing runs.
-
-    ``_origin`` names the class the pickle asked for. Constructor arguments (an enum member's
-    value, a reduce tuple's arguments) are kept in ``_args``; a state that is not a dict (DCP's
-    ``TensorProperties`` pickles a tuple) in ``_state``.
-    """
-
-    _origin = "?"
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> _Inert:
-        inert = object.__new__(cls)
-        inert.__dict__["_args"] = args
-        return inert
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.__dict__["_args"] = args
-
-    def __setstate__(self, state: Any) -> None:
-        if (
-            type(state) is tuple
-            and len(state) == 2
-            and all(part is None or type(part) is dict for part in state)
-        ):
-            # (dict state, slot state), as pickle writes an object with __slots__.
-            merged: dict[Any, Any] = {**(state[0] or {}), **(state[1] or {})}
-            state = merged
-        if type(state) is dict and all(
-            type(key) is str and key.isidentifier() and not key.startswith("__") for key in state
-        ):
-            self.__dict__.update(state)
-        else:
-            self.__dict__["_state"] = state
-
-    def __repr__(self) -> str:
-        return f"<inert {self._origin}>"
-
-
-_STAND_INS: dict[str, type[_Inert]] = {}
-
-
-def _stand_in(module: str, name: str) -> type[_Inert]:
-    origin = f"{module}.{name}"
-    if origin not in _STAND_INS:
-        _STAND_INS[origin] = type(name, (_Inert,), {"_origin": origin, "__module__": __name__})
-    return _STAND_INS[origin]
-
-
-_LAYOUTS = {str(value): value for value in vars(torch).values() if isinstance(value, torch.layout)}
-
-
-def _layout_by_name(name: Any) -> torch.layout:
-    """Stands in for ``torch.serialization._get_layout``: a layout by its name, nothing else."""
-    if type(name) is not str or name not in _LAYOUTS:
-        raise pickle.UnpicklingError(f"no torch layout is named {name!r}")
-    return _LAYOUTS[name]
-
-
-def _printable(text: str) -> str:
-    return text if text.isprintable() else repr(text)
-
-
-class _Refused(SnapshotError):
-    """A global the allowlist refuses; raised from ``find_class``, before anything is built."""
-
-
-class _MetadataUnpickler(pickle._Unpickler):
-    """DCP metadata by allowlist.
-
-    Python's pure-Python unpickler (as torch's ``weights_only`` unpickler and gradstat's
-    ``pth`` reader use): its memo is a dict, where the C unpickler's array grows to the largest
-    index a crafted ``LONG_BINPUT`` names.
-    """
-
-    def __init__(self, file: IO[bytes], path: Path) -> None:
-        super().__init__(file)
-        self._path = path
-
-    def find_class(self, module: str, name: str) -> Any:
-        if type(module) is str and type(name) is str:
-            found = _allowed_global(module, name)
-            if found is not None:
-                return found
-        raise _Refused(
-            f"{self._path}: refused to unpickle {_printable(str(module))}.{_printable(str(name))}"
-            ": a DCP .metadata holds only DCP's metadata records, torch dtypes and sizes and "
-            "plain containers, so this file is damaged or crafted; do not load it with "
-            "torch.distributed.checkpoint either"
-        )
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise pickle.UnpicklingError("DCP metadata holds no persistent references")
-
-
-def _allowed_global(module: str, name: str) -> Any:
-    """What ``find_class`` returns for an allowed global, or None for a refused one."""
-    if (module, name) in _CONTAINERS:
-        return _CONTAINERS[module, name]
-    if name in _DCP_CLASSES.get(module, ()) or module.startswith(_MEGATRON_PREFIX):
-        return _stand_in(module, name)
-    if module == "torch":
-        value = vars(torch).get(name)
-        if value is torch.Size or isinstance(
-            value, (torch.dtype, torch.layout, torch.memory_format)
-        ):
-            return value
-    if (module, name) == ("torch.serialization", "_get_layout"):
-        return _layout_by_name
-    if module in _PATH_MODULES:
-        if name in _POSIX_PATHS:
-            return PurePosixPath
-        if name in _WINDOWS_PATHS:
-            return PureWindowsPath
-    return None
 
 
 # --- Index records --------------------------------------------------------------------------
@@ -408,8 +246,8 @@ def load_metadata(path: Path) -> MetadataFile:
     """
     try:
         with open(path, "rb") as file:
-            raw = _MetadataUnpickler(file, path).load()
-    except _Refused:
+            raw = MetadataUnpickler(file, path).load()
+    except Refused:
         raise
     except FileNotFoundError as error:
         raise SnapshotError(f"{path}: no such file") from error
@@ -481,7 +319,7 @@ def _convert(path: Path, raw: Any) -> MetadataFile:
                 chunks.append(_ChunkMeta(offsets, sizes))
             properties = getattr(entry, "properties", None)
             tensors[fqn] = _TensorMeta(size, _dtype_of(properties), tuple(chunks))
-        elif isinstance(entry, _Inert) and entry._origin.endswith(".BytesStorageMetadata"):
+        elif isinstance(entry, Inert) and entry._origin.endswith(".BytesStorageMetadata"):
             bytes_fqns.append(fqn)
         else:
             raise SnapshotError(
