@@ -38,6 +38,7 @@ from gradstat.errors import SnapshotError
 from gradstat.snapshot.checkpoint import classify_key
 from gradstat.snapshot.dcp import ChunkRef, StorageRef, TensorEntry, open_index, read_chunk
 from gradstat.snapshot.torch_dist import (
+    expert_rows,
     is_torch_dist,
     layer_rows,
     optimizer_key,
@@ -51,7 +52,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:Transformer Engine and Apex are not installed:UserWarning"),
 ]
 
-LAYERS, TP, PP = 4, 2, 2
+LAYERS, TP, PP, EP = 4, 2, 2, 2
 SIZE = GptSize(LAYERS, 32, 4, 64, 64, 16, 4, 16, 3000)
 ITERATION = 10
 FORMS = ("dp_reshardable", "fully_reshardable")
@@ -161,14 +162,73 @@ def _save_job(rank: int, world_size: int, root: str) -> dict[str, Any]:
         ps.destroy_model_parallel()
 
 
+def _moe_job(rank: int, world_size: int, root: str) -> dict[str, Tensor]:
+    """One rank of an MoE job (EP2 x PP2, four experts): parameters set from their global names
+    (layers and experts numbered globally), the model saved; returns its parameters as saved."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(
+        pipeline_model_parallel_size=PP,
+        expert_model_parallel_size=EP,
+        expert_tensor_parallel_size=1,
+        create_gloo_process_groups=False,
+    )
+    try:
+        _saving_on_cpu()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, _ = megatron_gpt_job(
+                SIZE,
+                moe=True,
+                distributed_optimizer=False,
+                pipeline_model_parallel_size=PP,
+                expert_model_parallel_size=EP,
+            )
+        stage, ep_rank = ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank()
+        chunk = model[0].module
+        saved = {}
+        for local, param in chunk.named_parameters():
+            name = re.sub(
+                r"\.local_experts\.(\d+)\.",
+                lambda m: f".local_experts.{int(m[1]) + ep_rank * SIZE.experts // EP}.",
+                _global_name(local, stage),
+            )
+            param.data.copy_(_seeded(name, list(param.shape)))
+            saved[name] = param.data.clone()
+        directory = Path(root) / "moe" / f"iter_{ITERATION:07d}"
+        if rank == 0:
+            directory.mkdir(parents=True)
+        torch.distributed.barrier()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dist_checkpointing.save({"model": chunk.sharded_state_dict()}, str(directory))
+        return saved
+    finally:
+        ps.destroy_model_parallel()
+
+
+def _stored_name(name: str) -> str:
+    for local_name, stored_name in _CHECKPOINT_NAMES:
+        name = name.replace(local_name, stored_name)
+    return name
+
+
 @pytest.fixture(scope="module")
-def job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Tensor]]:
-    """The checkpoints' root, and every saved parameter's full tensor under the name the
-    checkpoint gives it (layers numbered globally), gathered over TP here."""
+def launched(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """Both Megatron jobs, one after the other in the same 4 rank processes."""
     root = tmp_path_factory.mktemp("torch_dist")
     run_dir = root / "run"
     run_dir.mkdir()
-    report = launch(TP * PP, run_dir, [Case("save", _save_job, str(root))], timeout_s=600)
+    cases = [Case("save", _save_job, str(root)), Case("moe", _moe_job, str(root))]
+    return root, launch(TP * PP, run_dir, cases, timeout_s=600)
+
+
+@pytest.fixture(scope="module")
+def job(launched: tuple[Path, Any]) -> tuple[Path, dict[str, Tensor]]:
+    """The checkpoints' root, and every saved parameter's full tensor under the name the
+    checkpoint gives it (layers numbered globally), gathered over TP here."""
+    root, report = launched
     shards: dict[str, dict[int, tuple[Tensor, int | None]]] = {}
     for result in report.values("save"):
         for name, (tensor, dim) in result["params"].items():
@@ -185,10 +245,23 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Tenso
             full = by_tp[0][0]
         else:
             full = torch.cat([by_tp[tp][0] for tp in range(TP)], dim=dim)
-        for local_name, stored_name in _CHECKPOINT_NAMES:
-            name = name.replace(local_name, stored_name)
-        truth[name] = full
+        truth[_stored_name(name)] = full
     return root, truth
+
+
+@pytest.fixture(scope="module")
+def moe(launched: tuple[Path, Any]) -> tuple[Path, dict[str, Tensor]]:
+    """The MoE checkpoint, and every parameter under its stored name (dense ones replicated
+    over the data-parallel ranks, experts each on one expert-parallel rank)."""
+    root, report = launched
+    truth: dict[str, Tensor] = {}
+    for result in report.values("moe"):
+        for name, tensor in result.items():
+            name = _stored_name(name)
+            if name in truth:
+                assert ".local_experts." not in name and torch.equal(truth[name], tensor), name
+            truth[name] = tensor
+    return root / "moe" / f"iter_{ITERATION:07d}", truth
 
 
 def _directory(root: Path, form: str) -> Path:
@@ -248,6 +321,29 @@ def test_stacked_layers_split_into_the_models_per_layer_parameters(
     # No two layers alike, so a wrong numbering could not pass unseen.
     rows = [tensor for name, tensor in truth.items() if name.startswith("decoder.layers.")]
     assert len({tensor.sum().item() for tensor in rows}) == len(rows)
+
+
+@pytest.mark.multiprocess
+def test_moe_experts_split_per_layer_and_global_expert(moe: tuple[Path, dict[str, Tensor]]) -> None:
+    directory, truth = moe
+    index = open_index(directory)
+    records: dict[str, Tensor] = {}
+    for fqn, entry in index.tensors.items():
+        full = _assembled(directory, entry)
+        experts, layers = expert_rows(entry), layer_rows(entry)
+        if experts is not None:
+            assert entry.size[:2] == (LAYERS, SIZE.experts), fqn
+            records |= {name: full[layer, expert] for name, layer, expert in experts}
+        elif layers is not None:
+            records |= {name: full[layer] for name, layer in layers}
+        else:
+            records[fqn] = full
+    assert any(".local_experts.3." in name for name in records)
+    assert set(records) == set(truth) - {OUTPUT_COPY}
+    for name, tensor in records.items():
+        assert torch.equal(tensor, truth[name]), name
+    rows = [tensor for name, tensor in truth.items() if ".local_experts." in name]
+    assert len({tensor.sum().item() for tensor in rows}) == len(rows) == LAYERS * SIZE.experts * 4
 
 
 @pytest.mark.multiprocess
@@ -337,6 +433,20 @@ def test_layer_rows_recognises_stacks_by_key_and_chunks() -> None:
     ]
     for not_stacked in ("decoder.layers.3.mlp.linear_fc2.bias", "decoder.final_layernorm.weight"):
         assert layer_rows(_entry(not_stacked, (3, 8), [(0, 3)])) is None
+    fqn = "decoder.layers.mlp.experts.experts.fc.bias"
+    storage = StorageRef("__0_0.distcp", 0, 1)
+    one_each = [
+        ChunkRef(fqn, (i, e), (1, 1), torch.float32, storage) for i in (0, 1) for e in (0, 1, 2)
+    ]
+    experts = TensorEntry(fqn, (2, 3), torch.float32, tuple(one_each))
+    assert expert_rows(experts) == [
+        (f"decoder.layers.{i}.mlp.experts.local_experts.{e}.fc.bias", i, e)
+        for i in range(2)
+        for e in range(3)
+    ]
+    assert expert_rows(stacked) is None and expert_rows(moment) is None
+    with pytest.raises(SnapshotError, match="spans 3 experts"):
+        expert_rows(_entry(fqn, (2, 3), [(0, 1), (1, 1)]))
     with pytest.raises(SnapshotError, match="spans 2 layers") as refused:
         layer_rows(_entry("decoder.layers.mlp.linear_fc2.bias", (3, 8), [(0, 2), (2, 1)]))
     assert "'decoder.layers.mlp.linear_fc2.bias'" in str(refused.value)

@@ -16,6 +16,11 @@ never read here). What it stores, as observed from megatron-core 0.16.1 (GPTMode
   (``param`` is the fp32 master copy); its ``dp_reshardable`` form (Megatron's default) stores
   1-D buckets ``optimizer.distributed.dp_group_idx_D.gbuf_idx_G.dtype_(...).bucket_idx_B.<stat>``
   whose gaps are uninitialised memory and whose parameter layout is not in the checkpoint.
+- MoE experts (local spec, ``SequentialMLP``; EP2 x PP2) are stacked twice:
+  ``decoder.layers.mlp.experts.experts.linear_fc1.weight`` of shape ``[L, E, out, in]``, each
+  chunk one layer and one expert at offsets ``(layer, global expert, 0, 0)``; the live modules are
+  ``decoder.layers.<i>.mlp.experts.local_experts.<k>`` with ``k`` local to the EP rank. Routers
+  are stacked like dense layers (``decoder.layers.mlp.router.weight``, ``[L, E, h]``).
 
 These functions only look at the index and ``metadata.json`` (as JSON); they never unpickle.
 """
@@ -32,6 +37,7 @@ from gradstat.snapshot.dcp import DcpIndex, TensorEntry
 __all__ = [
     "DP_RESHARDABLE_PREFIX",
     "STACKED_PREFIX",
+    "expert_rows",
     "is_torch_dist",
     "layer_rows",
     "optimizer_key",
@@ -99,8 +105,9 @@ def layer_rows(entry: TensorEntry) -> list[tuple[str, int]] | None:
     (Megatron numbers layers across pipeline stages in the checkpoint): the chunk with
     ``offsets[0] == i`` holds row ``i``.
 
-    MoE expert weights under ``decoder.layers.mlp.experts...`` (not observed here) are stacked
-    the same way on the layer axis; their further expert axis, if any, stays in each row.
+    MoE expert weights (``decoder.layers.<...>experts.experts.<rest>``) are stacked the same way
+    on the layer axis and their rows keep the expert axis; :func:`expert_rows` splits them into
+    one row per layer and expert, named as the experts' parameters are.
 
     Args:
         entry: a tensor of the checkpoint's index.
@@ -127,6 +134,52 @@ def layer_rows(entry: TensorEntry) -> list[tuple[str, int]] | None:
             )
     head, rest = match["head"], match["rest"]
     return [(f"{head}{STACKED_PREFIX}{layer}.{rest}", layer) for layer in range(entry.size[0])]
+
+
+def expert_rows(entry: TensorEntry) -> list[tuple[str, int, int]] | None:
+    """The per-layer, per-expert record names of a stacked MoE expert tensor.
+
+    A stacked tensor (see :func:`layer_rows`) whose key continues ``<...>experts.experts.<rest>``
+    after ``decoder.layers.`` has a second, expert axis: Megatron stores each layer's experts
+    numbered globally (over expert-parallel ranks), one chunk per layer and expert. Row
+    ``(i, e)`` is ``full[i, e]``, named ``decoder.layers.<i>.<...>experts.local_experts.<e>.<rest>``
+    (behind the same optimizer head, if any): ``SequentialMLP``'s parameter name with the expert
+    numbered globally, as layers are.
+
+    Args:
+        entry: a tensor of the checkpoint's index.
+
+    Returns:
+        ``[(row name, layer index, expert index), ...]`` in layer then expert order, or None for a
+        tensor that is not a stacked expert tensor.
+
+    Raises:
+        SnapshotError: a chunk spans more than one layer or more than one expert.
+    """
+    if layer_rows(entry) is None:
+        return None
+    match = _STACKED.match(entry.fqn)
+    assert match is not None
+    head, rest = match["head"], match["rest"]
+    before, found, after = rest.partition("experts.experts.")
+    if not found or len(entry.size) < 2 or (before and not before.endswith(".")):
+        return None
+    for chunk in entry.chunks:
+        if chunk.sizes[1] != 1:
+            raise SnapshotError(
+                f"tensor {entry.fqn!r}: a chunk at {chunk.offsets} spans {chunk.sizes[1]} "
+                f"experts of its expert axis (of {entry.size[1]}); Megatron's torch_dist stores "
+                "one expert per chunk: the tensor cannot be split into experts"
+            )
+    return [
+        (
+            f"{head}{STACKED_PREFIX}{layer}.{before}experts.local_experts.{expert}.{after}",
+            layer,
+            expert,
+        )
+        for layer in range(entry.size[0])
+        for expert in range(entry.size[1])
+    ]
 
 
 def optimizer_key(fqn: str) -> tuple[str, str] | None:
