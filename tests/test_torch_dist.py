@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import queue
 import re
 import warnings
@@ -400,6 +401,96 @@ def test_fully_reshardable_read_per_parameter(job: tuple[Path, dict[str, Tensor]
                 assert classify_key(name).param == fqn.removeprefix(
                     "optimizer.state.exp_avg."
                 ).replace("decoder.layers.", f"decoder.layers.{layer}.", 1)
+
+
+# --- the commands on them ----------------------------------------------------------------------
+
+
+def _l2(tensor: Tensor) -> float:
+    return math.sqrt(math.fsum(tensor.double().reshape(-1).square().tolist()))
+
+
+def _cli(*args: Any) -> tuple[int, dict[str, Any]]:
+    from typer.testing import CliRunner
+
+    from gradstat.cli import app
+
+    result = CliRunner().invoke(app, [*map(str, args), "--json"])
+    assert result.exit_code in (0, 1), result.output
+    return result.exit_code, json.loads(result.stdout)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("form", FORMS)
+def test_norm_reads_the_weights_per_layer(job: tuple[Path, dict[str, Tensor]], form: str) -> None:
+    """``gradstat norm`` of a torch_dist checkpoint: a row per layer parameter (layers numbered
+    globally), each against float64 of the live job's full tensor, in either optimizer form."""
+    root, truth = job
+    code, report = _cli("norm", _directory(root, form), "--top", "1000")
+    assert code == 0 and report["snapshot"]["kind"] == "weight"
+    assert report["snapshot"]["source"] == "dcp" and report["snapshot"]["step"] == ITERATION
+    expected = {name: tensor for name, tensor in truth.items() if name != OUTPUT_COPY}
+    rows = {row["name"]: row["norm"] for row in report["params"]}
+    assert set(rows) == set(expected) and f"decoder.layers.{LAYERS - 1}." in " ".join(rows)
+    for name, tensor in expected.items():
+        assert math.isclose(rows[name], _l2(tensor), rel_tol=1e-12), name
+    total = math.sqrt(math.fsum(_l2(tensor) ** 2 for tensor in expected.values()))
+    assert math.isclose(report["total_norm"], total, rel_tol=1e-12)
+
+
+@pytest.mark.multiprocess
+def test_the_optimizers_moments_per_layer_or_refused(job: tuple[Path, dict[str, Tensor]]) -> None:
+    """fully_reshardable: each moment per layer parameter, against float64 of the stored rows
+    assembled here; dp_reshardable: one line with the reason, while its weights still read."""
+    root, truth = job
+    directory = _directory(root, "fully_reshardable")
+    index = open_index(directory)
+    for stat in ("exp_avg", "exp_avg_sq"):
+        keys = [fqn for fqn in index.tensors if fqn.startswith(f"optimizer.state.{stat}.")]
+        stored = {
+            name.removeprefix(f"optimizer.state.{stat}."): tensor
+            for name, tensor in _per_layer(directory, keys).items()
+        }
+        assert set(stored) == set(truth) - {OUTPUT_COPY}
+        code, report = _cli("norm", directory, "--kind", stat, "--top", "1000")
+        assert code == 0 and report["snapshot"]["kind"] == stat
+        rows = {row["name"]: row["norm"] for row in report["params"]}
+        assert set(rows) == set(stored)
+        for name, tensor in stored.items():
+            assert math.isclose(rows[name], _l2(tensor), rel_tol=1e-12), (stat, name)
+    from typer.testing import CliRunner
+
+    from gradstat.cli import app
+
+    refused = _directory(root, "dp_reshardable")
+    result = CliRunner().invoke(app, ["norm", str(refused), "--kind", "exp_avg"])
+    assert result.exit_code == 2 and result.stdout == ""
+    (line,) = result.stderr.strip().splitlines()
+    assert str(refused) in line and "uninitialised memory" in line
+
+
+@pytest.mark.multiprocess
+def test_moe_experts_read_one_by_one(moe: tuple[Path, dict[str, Tensor]]) -> None:
+    """The stacked experts read as each expert's parameters (numbered globally): their norms,
+    and ``--by expert`` rows, against float64 of the live experts."""
+    directory, truth = moe
+    code, report = _cli("norm", directory, "--top", "1000", "--by", "expert")
+    assert code == 0
+    rows = {row["name"]: row["norm"] for row in report["params"]}
+    expected = {name: tensor for name, tensor in truth.items() if name != OUTPUT_COPY}
+    assert set(rows) == set(expected)
+    for name, tensor in expected.items():
+        assert math.isclose(rows[name], _l2(tensor), rel_tol=1e-12), name
+    experts: dict[str, list[Tensor]] = {}
+    for name, tensor in expected.items():
+        match = re.match(r"^(.*\.experts)\.local_experts\.(\d+)\.", name)
+        if match:
+            experts.setdefault(f"{match[1]}[{match[2]}]", []).append(tensor)
+    by_expert = {row["name"]: row["norm"] for row in report["by_expert"]}
+    assert len(experts) == LAYERS * SIZE.experts
+    for label, tensors in experts.items():
+        expected_norm = math.sqrt(math.fsum(_l2(tensor) ** 2 for tensor in tensors))
+        assert math.isclose(by_expert[label], expected_norm, rel_tol=1e-12), label
 
 
 def test_metadata_json_decides_torch_dist(tmp_path: Path) -> None:

@@ -31,9 +31,15 @@ from gradstat.core.axes import AXES
 from gradstat.core.placements import MeshPlacement
 from gradstat.errors import SnapshotError
 from gradstat.snapshot.container import Container, FileStamp
-from gradstat.snapshot.dcp import ChunkRef, DcpIndex, TensorEntry, open_index, read_chunk
+from gradstat.snapshot.dcp import ChunkRef, DcpIndex, open_index, read_chunk
 from gradstat.snapshot.format import DTYPE_NAMES, ParamRecord, RankHeader
 from gradstat.snapshot.reader import RankFile
+from gradstat.snapshot.torch_dist import (
+    expert_rows,
+    is_torch_dist,
+    layer_rows,
+    refuse_dp_reshardable,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -81,7 +87,10 @@ class KeyKind:
 
 _MOMENTS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "step": "step"}
 # Optimizer states that are not moments or counters; Megatron's fp32_param is a master weight.
-_OTHER_STATES = frozenset({"max_exp_avg_sq", "momentum_buffer", "fp32_param", "square_avg"})
+# Megatron's ``param`` is its fp32 master copy of the weight.
+_OTHER_STATES = frozenset(
+    {"max_exp_avg_sq", "momentum_buffer", "fp32_param", "param", "square_avg"}
+)
 # Top-level keys of trainers' checkpoints that hold no model parameters (torchtitan's and
 # DCP's tutorials' names).
 _NON_MODEL_ROOTS = frozenset(
@@ -131,14 +140,20 @@ class _ChunkTensors(Mapping[str, torch.Tensor]):
     """A rank file's chunks by record name, each read when first asked for; only the latest is
     kept, so a reader going tensor by tensor holds about one chunk."""
 
-    def __init__(self, directory: Path, chunks: Mapping[str, ChunkRef]) -> None:
-        self._directory, self._chunks = directory, chunks
+    def __init__(
+        self,
+        directory: Path,
+        chunks: Mapping[str, ChunkRef],
+        shapes: Mapping[str, tuple[int, ...]],
+    ) -> None:
+        self._directory, self._chunks, self._shapes = directory, chunks, shapes
         self._latest: tuple[str, torch.Tensor] | None = None
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if self._latest is not None and self._latest[0] == name:
             return self._latest[1]
-        tensor = read_chunk(self._directory, self._chunks[name])
+        # A stacked tensor's chunk is its row's without the leading layer (expert) axis.
+        tensor = read_chunk(self._directory, self._chunks[name]).reshape(self._shapes[name])
         self._latest = (name, tensor)
         return tensor
 
@@ -156,6 +171,7 @@ class CheckpointFile(RankFile):
     directory: Path = Path()
     kind: str = "weight"
     chunks: dict[str, ChunkRef] = field(default_factory=dict)  # by record name
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # the records' shapes
     keys: dict[str, str] = field(default_factory=dict)  # record name: the checkpoint's key
     # What the whole checkpoint holds, read or not: (kind, tensors) by kind, and its bytes
     # entries (pickled objects, never read).
@@ -171,7 +187,7 @@ class CheckpointFile(RankFile):
 
     @contextmanager
     def tensors(self) -> Iterator[Mapping[str, torch.Tensor]]:
-        yield _ChunkTensors(self.directory, self.chunks)
+        yield _ChunkTensors(self.directory, self.chunks, self.shapes)
 
     def write(self, file: IO[bytes], tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         raise SnapshotError(
@@ -196,7 +212,61 @@ def _step(directory: Path) -> int | None:
     return int(match[1]) if match else None
 
 
-def _selected(index: DcpIndex, kind: str) -> dict[str, TensorEntry]:
+@dataclass(frozen=True)
+class _Stored:
+    """One stored chunk as a record takes it: of a tensor, or of a row of a Megatron stacked
+    tensor (``decoder.layers.<rest>`` of shape [L, ...] read as ``decoder.layers.<i>.<rest>``).
+
+    ``chunk`` is read as stored; ``offsets`` and ``sizes`` are its place in ``size``, the
+    tensor's (the row's) global shape.
+    """
+
+    key: str  # the checkpoint's key, or the row's name (classified as a key)
+    size: tuple[int, ...]
+    dtype: torch.dtype
+    chunk: ChunkRef
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+def _stored(index: DcpIndex, torch_dist: bool) -> dict[str, list[_Stored]]:
+    """Every tensor's chunks by key; a ``torch_dist`` checkpoint's stacked tensors by row, each
+    chunk (one layer, and for MoE experts one expert) a chunk of its row."""
+    found: dict[str, list[_Stored]] = {}
+    for fqn, entry in index.tensors.items():
+        experts = expert_rows(entry) if torch_dist else None
+        layers = None if experts is not None or not torch_dist else layer_rows(entry)
+        rows: dict[tuple[int, ...], str]
+        if experts is not None:
+            rows = {(layer, expert): name for name, layer, expert in experts}
+            depth = 2
+        elif layers is not None:
+            rows = {(layer,): name for name, layer in layers}
+            depth = 1
+        else:
+            found[fqn] = [
+                _Stored(fqn, entry.size, entry.dtype, chunk, chunk.offsets, chunk.sizes)
+                for chunk in entry.chunks
+            ]
+            continue
+        for chunk in entry.chunks:
+            row = rows[chunk.offsets[:depth]]
+            found.setdefault(row, []).append(
+                _Stored(
+                    row,
+                    entry.size[depth:],
+                    entry.dtype,
+                    chunk,
+                    chunk.offsets[depth:],
+                    chunk.sizes[depth:],
+                )
+            )
+    return found
+
+
+def _selected(
+    index: DcpIndex, stored: dict[str, list[_Stored]], kind: str
+) -> dict[str, list[_Stored]]:
     """The tensors of ``kind``, by the name their records take.
 
     Model state holds buffers too: those of a type gradstat does not read (BatchNorm's int64
@@ -208,32 +278,32 @@ def _selected(index: DcpIndex, kind: str) -> dict[str, TensorEntry]:
         SnapshotError: the checkpoint holds no tensor of the kind (naming what it holds), a
             gradient or moment that is not floating point, or two keys of it for one parameter.
     """
-    found: dict[str, TensorEntry] = {}
-    skipped = set(left_out(index, kind))
-    for fqn, entry in index.tensors.items():
-        key = classify_key(fqn)
-        if fqn in skipped:
+    found: dict[str, list[_Stored]] = {}
+    skipped = set(left_out(stored, kind))
+    for key, chunks in stored.items():
+        held = classify_key(key)
+        if key in skipped:
             continue
         if kind == "all":
-            name = fqn
-        elif key.kind != kind:
+            name = key
+        elif held.kind != kind:
             continue
         else:
-            assert key.param is not None
-            name = key.param
-            if entry.dtype not in DTYPE_NAMES:
+            assert held.param is not None
+            name = held.param
+            if chunks[0].dtype not in DTYPE_NAMES:
                 raise SnapshotError(
-                    f"{index.directory}: tensor {fqn!r} ({kind}) is {entry.dtype}; gradstat "
+                    f"{index.directory}: tensor {key!r} ({kind}) is {chunks[0].dtype}; gradstat "
                     f"reads float32, bfloat16, float16 and float64"
                 )
         if name in found:
             raise SnapshotError(
-                f"{index.directory}: keys {found[name].fqn!r} and {fqn!r} both hold the {kind} "
-                f"of parameter {name!r}"
+                f"{index.directory}: keys {found[name][0].key!r} and {key!r} both hold the "
+                f"{kind} of parameter {name!r}"
             )
-        found[name] = entry
+        found[name] = chunks
     if not found:
-        holds = ", ".join(f"{kind_said(name)} ({count})" for name, count in held_kinds(index))
+        holds = ", ".join(f"{kind_said(name)} ({count})" for name, count in held_kinds(stored))
         raise SnapshotError(
             f"{index.directory}: the checkpoint holds no {kind_said(kind)}; it holds "
             f"{holds or 'no tensor'}: choose one with --kind {'|'.join(KINDS)}"
@@ -241,31 +311,31 @@ def _selected(index: DcpIndex, kind: str) -> dict[str, TensorEntry]:
     return found
 
 
-def left_out(index: DcpIndex, kind: str) -> tuple[str, ...]:
+def left_out(stored: Mapping[str, list[_Stored]], kind: str) -> tuple[str, ...]:
     """The keys of ``kind`` that are not read: buffers of a type gradstat does not read among
     the weights, and with ``all`` the step counters too."""
     found = []
-    for fqn, entry in index.tensors.items():
-        held = classify_key(fqn).kind
+    for key, chunks in stored.items():
+        held = classify_key(key).kind
         if kind not in ("all", held) or kind not in ("all", "weight"):
             continue
-        if entry.dtype not in DTYPE_NAMES or (kind == "all" and held == "step"):
-            found.append(fqn)
+        if chunks[0].dtype not in DTYPE_NAMES or (kind == "all" and held == "step"):
+            found.append(key)
     return tuple(found)
 
 
-def held_kinds(index: DcpIndex) -> tuple[tuple[str, int], ...]:
+def held_kinds(stored: Mapping[str, list[_Stored]]) -> tuple[tuple[str, int], ...]:
     """(kind, number of tensors) of every kind of key the checkpoint holds, by kind."""
     held: dict[str, int] = {}
-    for fqn in index.tensors:
-        kind = classify_key(fqn).kind
+    for key in stored:
+        kind = classify_key(key).kind
         held[kind] = held.get(kind, 0) + 1
     return tuple(sorted(held.items()))
 
 
-def default_kind(index: DcpIndex) -> str:
+def default_kind(stored: Mapping[str, list[_Stored]]) -> str:
     """Gradients when the checkpoint holds any, else model weights."""
-    kinds = {classify_key(fqn).kind for fqn in index.tensors}
+    kinds = {classify_key(key).kind for key in stored}
     return "grad" if "grad" in kinds else "weight"
 
 
@@ -283,26 +353,28 @@ def open_checkpoint(directory: Path, kind: str | None = None) -> list[Checkpoint
     if kind is not None and kind not in KINDS:
         raise SnapshotError(f"--kind {kind!r} is not a kind; use one of {', '.join(KINDS)}")
     index = open_index(directory)
-    kind = kind or default_kind(index)
-    entries = _selected(index, kind)
+    torch_dist = is_torch_dist(directory)
+    stored = _stored(index, torch_dist)
+    kind = kind or default_kind(stored)
+    if torch_dist and kind in ("exp_avg", "exp_avg_sq", "all"):
+        refuse_dp_reshardable(index)
+    selected = _selected(index, stored, kind)
     # Each data file's chunks, a second chunk of one tensor in a file of its own.
-    groups: dict[tuple[str, int], list[tuple[str, TensorEntry, ChunkRef]]] = {}
-    for name, entry in entries.items():
+    groups: dict[tuple[str, int], list[tuple[str, _Stored]]] = {}
+    for name, chunks in selected.items():
         seen: dict[str, int] = {}
-        for chunk in entry.chunks:
-            path = chunk.storage.relative_path
+        for piece in chunks:
+            path = piece.chunk.storage.relative_path
             occurrence = seen[path] = seen.get(path, -1) + 1
-            groups.setdefault((path, occurrence), []).append((name, entry, chunk))
+            groups.setdefault((path, occurrence), []).append((name, piece))
     world_size = len(groups)
     step = _step(directory)
-    holds = held_kinds(index)
-    skipped = left_out(index, kind)
+    holds = held_kinds(stored)
+    skipped = left_out(stored, kind)
     opened = []
     for rank, (path, occurrence) in enumerate(sorted(groups)):
-        held = sorted(groups[path, occurrence], key=lambda item: item[2].storage.offset)
-        records = tuple(
-            _record(name, entry, chunk, rank, world_size) for name, entry, chunk in held
-        )
+        held = sorted(groups[path, occurrence], key=lambda item: item[1].chunk.storage.offset)
+        records = tuple(_record(name, piece, rank, world_size) for name, piece in held)
         coords = {axis: (0, 1) for axis in AXES} | {"dp": (rank, world_size)}
         header = RankHeader(rank, world_size, step, coords, False, kind, records)
         location = directory / path
@@ -313,8 +385,9 @@ def open_checkpoint(directory: Path, kind: str | None = None) -> list[Checkpoint
                 container,
                 directory=directory,
                 kind=kind,
-                chunks={name: chunk for name, _, chunk in held},
-                keys={name: entry.fqn for name, entry, _ in held},
+                chunks={name: piece.chunk for name, piece in held},
+                shapes={name: piece.sizes for name, piece in held},
+                keys={name: piece.chunk.fqn for name, piece in held},
                 holds=holds,
                 bytes_entries=len(index.bytes_entries),
                 left_out=skipped,
@@ -323,23 +396,21 @@ def open_checkpoint(directory: Path, kind: str | None = None) -> list[Checkpoint
     return opened
 
 
-def _record(
-    name: str, entry: TensorEntry, chunk: ChunkRef, rank: int, world_size: int
-) -> ParamRecord:
-    """A chunk as a record: a box of its tensor at the chunk's global offset."""
+def _record(name: str, piece: _Stored, rank: int, world_size: int) -> ParamRecord:
+    """A chunk as a record: a box of its tensor (its row) at the chunk's global offset."""
     placement = MeshPlacement(
         mesh_shape=(world_size,),
         coordinate=(rank,),
         placements=("S(0)",),  # a box of the tensor: every chunk counts, none is a copy
-        global_shape=entry.size,
+        global_shape=piece.size,
         mesh_dim_names=(_MESH_DIM,),
-        global_offset=chunk.offsets,
+        global_offset=piece.offsets,
     )
     return ParamRecord(
         name=name,
         has_grad=True,
-        shape=chunk.sizes,
-        dtype=DTYPE_NAMES[entry.dtype],
-        param_shape=entry.size,
+        shape=piece.sizes,
+        dtype=DTYPE_NAMES[piece.dtype],
+        param_shape=piece.size,
         dtensor=placement,
     )
