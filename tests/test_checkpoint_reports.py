@@ -207,3 +207,21 @@ def test_history_over_checkpoints(checkpoints: dict[str, Any], tmp_path: Path) -
         weights, _ = checkpoints[name]
         total = math.sqrt(math.fsum(_l2(tensor) ** 2 for tensor in weights.values()))
         assert math.isclose(report["total_norm"][index], total, rel_tol=1e-12)
+
+
+def test_a_gradient_snapshot_and_a_checkpoint_name_what_one_lacks(
+    checkpoints: dict[str, Any], tmp_path: Path
+) -> None:
+    """A gradstat snapshot of the gradients without one parameter against the checkpoint's
+    grads dump: the others agree bit for bit, the missing one is flagged only_in_b."""
+    from gradstat.snapshot import save_rank
+    from tests._params import param_with
+
+    grads = checkpoints["grads"]
+    kept = [(name, param_with(grad.clone())) for name, grad in grads.items() if name != "2.bias"]
+    save_rank(tmp_path / "snapshot", kept, rank=0, world_size=1, coords={}, step=2)
+    code, report = _cli("compare", tmp_path / "snapshot", checkpoints["root"] / "grads")
+    assert code == 1 and report["mismatches"] == ["2.bias"]
+    rows = {row["name"]: row for row in report["params"]}
+    assert rows["2.bias"]["flags"] == ["only_in_b"] and rows["2.bias"]["norm_a"] is None
+    assert all(rows[name]["max_abs_diff"] == 0.0 for name in grads if name != "2.bias")
