@@ -283,8 +283,6 @@ def open_shared(
     # A dump's attributes are rebuilt from every file's names and shapes: each process reads
     # every file's pickle (no tensor) and reduces its share. A checkpoint's metadata is one
     # file: each process reads it, and the chunks of its share of the data files.
-    if not is_dcp_directory(folder):
-        together(processes, lambda: refuse_kind(folder, options))
     whole = together(processes, lambda: _whole_dump(folder, options))
     if whole is not None:
         every = tuple(FileSummary.of(rank_file) for rank_file in whole.files)
@@ -304,9 +302,11 @@ def open_shared(
 
 def _whole_dump(folder: Path, options: WgradsOptions | None) -> Snapshot | None:
     """The Megatron wgrads dump or the DCP checkpoint in ``folder``, opened whole; None for
-    gradstat's rank files."""
+    gradstat's rank files (``--kind``, which only a checkpoint takes, refused for them as
+    :meth:`Snapshot.open` refuses it)."""
     if is_dcp_directory(folder) or is_wgrads_name(rank_file_names(folder)[0]):
         return Snapshot.open(folder, options)
+    refuse_kind(folder, options)
     return None
 
 
