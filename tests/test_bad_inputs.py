@@ -273,6 +273,10 @@ CASES: dict[str, tuple[Callable[[Path], None], str]] = {
         _edit_header(RANK1, lambda h: _first_tensor(h).update(dtype="F8_E4M3")),
         "dtype 'F8_E4M3' is not supported",
     ),
+    "dtype a list": (
+        _edit_header(RANK1, lambda h: _first_tensor(h).update(dtype=["F32"])),
+        "dtype ['F32'] is not supported",
+    ),
     "fifo": (_fifo, "not a regular file"),
     "directory instead of a file": (_directory, "a directory, expected a rank file"),
     "symlink out of the snapshot": (_symlink_out, "symlink leads out of the snapshot"),

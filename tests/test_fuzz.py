@@ -264,3 +264,140 @@ if __name__ == "__main__":
     count = int(sys.argv[1]) if len(sys.argv) > 1 else 100_000
     with tempfile.TemporaryDirectory() as temporary:
         print(campaign(Path(temporary), count))
+
+
+def _records_of(folder: Path) -> list[dict[str, Any]]:
+    """The parameter entries of every rank file in ``folder``, as their JSON holds them."""
+    entries = []
+    for path in sorted(folder.glob("*.safetensors")):
+        text, _ = _split(path.read_bytes())
+        entries += json.loads(json.loads(text)["__metadata__"]["gradstat"])["params"]
+    return entries
+
+
+_DTENSOR_ENTRY = {
+    "name": "layers.0.w",
+    "grad": True,
+    "shape": [3, 8],
+    "dtype": "float32",
+    "param_shape": [10, 8],
+    "attrs": {"fsdp_param": True},
+    "dtensor": {
+        "mesh_shape": [2, 4],
+        "coordinate": [1, 3],
+        "placements": ["R", "S(0)"],
+        "global_shape": [10, 8],
+        "mesh_dim_names": ["dp_replicate", "dp_shard"],
+        "global_offset": [7, 0],
+        "copies": [],
+    },
+}
+
+# What a field may be replaced by: each kind JSON has, and numbers at the edges of the checks.
+_REPLACEMENTS = (
+    None,
+    True,
+    False,
+    0,
+    1,
+    -1,
+    2,
+    2**63,
+    1.5,
+    "",
+    "S(0)",
+    "F32",
+    [],
+    [0],
+    [2, 1],
+    [-1],
+    [True],
+    ["R"],
+    {},
+    {"x": 1},
+)
+
+
+def _mutants(entry: dict[str, Any], rng: random.Random) -> list[dict[str, Any]]:
+    """``entry`` with one field, or one field of a nested object or list, replaced or removed,
+    or an unknown field added: every way a check can be met or missed once."""
+    found = []
+    for key in entry:
+        for value in _REPLACEMENTS:
+            found.append({**entry, key: value})
+        found.append({name: item for name, item in entry.items() if name != key})
+        nested = entry[key]
+        if isinstance(nested, dict):
+            for inner in [*nested, "unknown", "gtp_group", "fragment_offset"]:
+                value = rng.choice(_REPLACEMENTS)
+                found.append({**entry, key: {**nested, inner: value}})
+                found.append({**entry, key: {k: v for k, v in nested.items() if k != inner}})
+                for deeper in _REPLACEMENTS if isinstance(nested.get(inner), list) else ():
+                    changed = list(nested[inner])
+                    if changed:
+                        changed[rng.randrange(len(changed))] = deeper
+                        found.append({**entry, key: {**nested, inner: changed}})
+        if isinstance(nested, list) and nested:
+            for value in _REPLACEMENTS:
+                changed = list(nested)
+                changed[rng.randrange(len(changed))] = value
+                found.append({**entry, key: changed})
+    return found
+
+
+def test_the_quick_record_check_agrees_with_the_careful_one() -> None:
+    """A rank file's parameter records are taken by a quick check where every field is sound
+    (``format._sound_record``), else checked field by field (``format._checked_param``), which
+    words the error. The quick one must never take what the careful one refuses, and must make
+    the same record of what it takes: here over the sample data's records (TP, GTP, experts,
+    distributed-optimizer fragments), a DTensor's, and every one-field mutant of each."""
+    from gradstat.snapshot import format as fmt
+
+    samples = Path(__file__).parent.parent / "sample_data"
+    entries = [_DTENSOR_ENTRY]
+    for folder in sorted(samples.iterdir()):
+        if folder.is_dir():
+            entries += _records_of(folder)
+    # One record of each set of attribute names, so that every kind is mutated.
+    kinds = {(tuple(sorted(entry["attrs"])), entry["dtensor"] is None): entry for entry in entries}
+    assert len(kinds) >= 5, sorted(kinds)
+    rng = random.Random(SEED)
+    taken = checked = refused = 0
+    for entry in kinds.values():
+        assert fmt._sound_record(entry) == fmt._checked_param(Path("f"), 0, entry)
+        for mutant in _mutants(entry, rng):
+            quick = fmt._sound_record(mutant)
+            try:
+                careful = fmt._checked_param(Path("f"), 0, mutant)
+            except GradstatError:
+                assert quick is None, mutant
+                refused += 1
+                continue
+            if quick is None:
+                checked += 1
+            else:
+                assert quick == careful, mutant
+                taken += 1
+    # Each path is met: mutants both paths take, only the careful one (a null attribute, an
+    # unknown field), neither.
+    assert taken > 100 and checked > 5 and refused > 1000, (taken, checked, refused)
+
+
+def test_the_quick_slot_check_agrees_with_the_careful_one() -> None:
+    """The same for a safetensors header's tensor entries (``container._sound_slot``)."""
+    from gradstat.snapshot import container
+
+    rng = random.Random(SEED)
+    entry = {"dtype": "BF16", "shape": [3, 4], "data_offsets": [8, 32]}
+    taken = refused = 0
+    for mutant in [entry, *_mutants(entry, rng)]:
+        quick = container._sound_slot(mutant)
+        try:
+            careful = container._slot(Path("f"), "t", mutant)
+        except GradstatError:
+            assert quick is None, mutant
+            refused += 1
+            continue
+        assert quick in (None, careful), mutant
+        taken += quick is not None
+    assert taken >= 1 and refused > 20, (taken, refused)

@@ -83,6 +83,12 @@ ATTRIBUTE_DEFAULTS: dict[str, Any] = {
 # GTP group's rank()/size(), fsdp_param from ``__fsdp_param__``).
 PLAIN_ATTRS = tuple(key for key in ATTRIBUTE_DEFAULTS if key not in ("gtp_group", "fsdp_param"))
 
+# The plain attributes an absent one stands for, those whose default is a value.
+_PLAIN_PRESENT = {
+    key: ATTRIBUTE_DEFAULTS[key] for key in PLAIN_ATTRS if ATTRIBUTE_DEFAULTS[key] is not None
+}
+_PLAIN_KEYS = frozenset(PLAIN_ATTRS)
+
 # What a distributed-optimizer fragment takes over from its parameter; the rest (its place in
 # the parameter, the GTP padding inside it) is the fragment's own.
 FRAGMENT_INHERITED_ATTRS = tuple(
@@ -209,8 +215,14 @@ class ParamRecord:
     def plain_attrs(self) -> dict[str, Any]:
         """The attributes a parameter rebuilt from this record carries: each of PLAIN_ATTRS,
         its default where the record has none; one that is None is left out (absent)."""
-        values = {key: self.attr(key) for key in PLAIN_ATTRS}
-        return {key: value for key, value in values.items() if value is not None}
+        values = dict(_PLAIN_PRESENT)
+        for key, value in self.attrs.items():
+            if key in _PLAIN_KEYS:
+                if value is None:
+                    values.pop(key, None)
+                else:
+                    values[key] = value
+        return values
 
     @property
     def numel(self) -> int:
@@ -484,6 +496,131 @@ _AXIS_NAMES = frozenset(AXES)
 
 
 def _parse_param(path: Path, index: int, entry: Any) -> ParamRecord:
+    """The record of ``params[index]``: a sound entry taken at once (:func:`_sound_record`),
+    any other checked field by field (:func:`_checked_param`), which words what is wrong."""
+    record = _sound_record(entry)
+    return _checked_param(path, index, entry) if record is None else record
+
+
+_RECORD_FIELDS = frozenset(("name", "grad", "shape", "dtype", "param_shape", "attrs", "dtensor"))
+_SOUND_DTENSOR_FIELDS = frozenset(("mesh_shape", "coordinate", "placements", "global_shape")) | {
+    "mesh_dim_names",
+    "global_offset",
+    "copies",
+}
+
+
+def _sound_record(entry: Any) -> ParamRecord | None:
+    """The record :func:`_checked_param` makes of ``entry``, in as few steps as its checks
+    allow, where every field is of its kind with no null in place of a value; None for any
+    other entry, which :func:`_checked_param` then takes or words. A rank file lists thousands
+    of records, all sound: checking each field by field cost more than the file's data takes
+    to reduce (``benchmarks/bench_many_files.py --layout distinct``).
+    ``tests/test_fuzz.py::test_the_quick_record_check_agrees_with_the_careful_one`` holds
+    the two to the same records.
+    """
+    if type(entry) is not dict or not entry.keys() <= _RECORD_FIELDS:
+        return None
+    name, has_grad, dtype = entry.get("name"), entry.get("grad"), entry.get("dtype")
+    attrs, shape, param_shape = entry.get("attrs"), entry.get("shape"), entry.get("param_shape")
+    if (
+        type(name) is not str
+        or type(has_grad) is not bool
+        or type(dtype) is not str
+        or dtype not in DTYPES
+        or type(attrs) is not dict
+        or type(shape) is not list
+        or type(param_shape) is not list
+        or not are_sizes(shape)
+        or not are_sizes(param_shape)
+        or not fits_torch(shape)
+        or not fits_torch(param_shape)
+    ):
+        return None
+    for key, value in attrs.items():
+        if type(value) is not ATTRIBUTE_KINDS.get(key):
+            return None
+    if "gtp_group" in attrs and not _sound_place(attrs["gtp_group"]):
+        return None
+    if ("fragment_offset" in attrs or "fragment_shape" in attrs) and not _sound_fragment(
+        attrs, shape
+    ):
+        return None
+    dtensor = None
+    if entry.get("dtensor") is not None:
+        dtensor = _sound_dtensor(entry["dtensor"], shape)
+        if dtensor is None:
+            return None
+    return ParamRecord(name, has_grad, tuple(shape), dtype, tuple(param_shape), attrs, dtensor)
+
+
+def _sound_place(place: list[Any]) -> bool:
+    """Whether a GTP group is ``[rank_in_group, size]`` (its kind, a list, was checked)."""
+    return (
+        len(place) == 2
+        and type(place[0]) is int
+        and type(place[1]) is int
+        and 0 <= place[0] < place[1]
+    )
+
+
+def _sound_fragment(attrs: dict[str, Any], shape: list[int]) -> bool:
+    """Whether a distributed-optimizer fragment is as :func:`_check_fragment` takes it (its
+    attributes' kinds were checked)."""
+    offset, whole = attrs.get("fragment_offset"), attrs.get("fragment_shape")
+    if offset is None or whole is None or not are_sizes(whole) or not fits_torch(whole):
+        return False
+    return len(shape) == 1 and 0 <= offset <= math.prod(whole) - shape[0]
+
+
+def _sound_dtensor(data: Any, shape: list[int]) -> MeshPlacement | None:
+    """:func:`_sound_record` for a DTensor record: the placement :func:`_parse_dtensor`
+    makes of it, with its shard's box inside the global shape; None for any other."""
+    if type(data) is not dict or not data.keys() <= _SOUND_DTENSOR_FIELDS:
+        return None
+    mesh_shape, coordinate = data.get("mesh_shape"), data.get("coordinate")
+    placements, global_shape = data.get("placements"), data.get("global_shape")
+    names, offset = data.get("mesh_dim_names"), data.get("global_offset")
+    copies = data.get("copies", [])
+    if (
+        type(mesh_shape) is not list
+        or type(coordinate) is not list
+        or type(placements) is not list
+        or type(global_shape) is not list
+        or type(names) is not list
+        or type(offset) is not list
+        or type(copies) is not list
+        or copies  # left to the careful path: rare, and each entry has its own checks
+        or not are_sizes(mesh_shape, 1)
+        or not are_sizes(coordinate)
+        or not are_sizes(global_shape)
+        or not are_sizes(offset)
+        or not fits_torch(global_shape)
+        or not all(map(valid_code, placements))
+        or set(map(type, names)) - {str}
+    ):
+        return None
+    dims = len(mesh_shape)
+    if not offset or not 1 <= dims == len(coordinate) == len(placements) == len(names):
+        return None
+    if not all(0 <= i < n for i, n in zip(coordinate, mesh_shape, strict=True)):
+        return None
+    if not len(offset) == len(global_shape) == len(shape):
+        return None
+    if any(o + n > g for o, n, g in zip(offset, shape, global_shape, strict=True)):
+        return None
+    return MeshPlacement(
+        mesh_shape=tuple(mesh_shape),
+        coordinate=tuple(coordinate),
+        placements=tuple(placements),
+        global_shape=tuple(global_shape),
+        mesh_dim_names=tuple(names),
+        global_offset=tuple(offset),
+        copies=(),
+    )
+
+
+def _checked_param(path: Path, index: int, entry: Any) -> ParamRecord:
     fields = _Fields(path, "params[{}]", entry, index)
     name = fields.get("name", str)
     fields.name("parameter {!r}", name)
