@@ -190,7 +190,7 @@ def read_container(path: Path, keep_up_to: int = 0, known: KnownLayouts | None =
     metadata = header.pop("__metadata__", {})
     if not _string_map(metadata):
         raise SnapshotError(f"{path}: __metadata__ must map strings to strings")
-    slots = _slots(path, header)
+    slots = {name: _slot(path, name, entry) for name, entry in header.items()}
     _check_tiling(path, slots, size - data_start)
     return Container(path, metadata, slots, data_start, stamp, data)
 
@@ -233,41 +233,12 @@ def _known_slots(
         ):
             return None
         try:
-            slots = _slots(path, entries[0])
+            slots = {name: _slot(path, name, entry) for name, entry in entries[0].items()}
             end = _check_tiling(path, slots, None)
         except SnapshotError:
             return None
         layout = known[rest] = TensorLayout(slots, end)
     return found[0], layout
-
-
-def _slots(path: Path, entries: dict[str, Any]) -> dict[str, TensorSlot]:
-    """Each tensor entry's slot: a sound entry is taken at once, and any other checked field by
-    field, which words what is wrong."""
-    slots = {}
-    for name, entry in entries.items():
-        slot = _sound_slot(entry) if type(entry) is dict else None
-        slots[name] = _slot(path, name, entry) if slot is None else slot
-    return slots
-
-
-def _sound_slot(entry: dict[str, Any]) -> TensorSlot | None:
-    """The slot of an entry that :func:`_slot` takes, made with as few steps as that allows;
-    None for any entry it would not take, or might word (a tensor of no element: its sizes
-    need :func:`fits_torch`). Its bytes bound the product of its sizes, so it fits torch."""
-    code, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    item = _CODE_ITEM_SIZES.get(code) if type(code) is str else None
-    if item is None or type(shape) is not list or type(offsets) is not list or len(offsets) != 2:
-        return None
-    start, end = offsets
-    if type(start) is not int or type(end) is not int or not 0 <= start <= end:
-        return None
-    if not are_sizes(shape):
-        return None
-    count = math.prod(shape)
-    if count == 0 or end - start != count * item:
-        return None
-    return TensorSlot(CODE_NAMES[str(code)], tuple(shape), start, end)
 
 
 def _slot(path: Path, name: str, entry: Any) -> TensorSlot:
@@ -304,7 +275,6 @@ def _slot(path: Path, name: str, entry: Any) -> TensorSlot:
 
 
 _ITEM_SIZES = {name: torch_dtype.itemsize for name, (torch_dtype, _) in DTYPES.items()}
-_CODE_ITEM_SIZES = {code: _ITEM_SIZES[name] for code, name in CODE_NAMES.items()}
 
 
 def _check_tiling(path: Path, slots: dict[str, TensorSlot], data_len: int | None) -> int:
