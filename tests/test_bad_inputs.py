@@ -28,7 +28,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gradstat.cli import app
-from tests._cli import SAMPLE_DATA
+from tests._cli import SAMPLE_DATA, run_gradstat
 
 SAMPLE = SAMPLE_DATA / "gtp2-pp2-dp2-ep2"
 RANK1 = "rank-00001.safetensors"
@@ -590,13 +590,7 @@ def test_coordinates_that_describe_more_places_than_ranks(tmp_path: Path) -> Non
         coords = {"dp": [rank, 4], "gtp": [rank % 2, 2]}
         save_rank(snapshot, [("w", param)], rank=rank, world_size=4, coords=coords)
     before = {path.name: path.read_bytes() for path in snapshot.iterdir()}
-    result = subprocess.run(
-        [sys.executable, "-m", "gradstat", "norm", str(snapshot)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    result = run_gradstat("norm", snapshot)
     assert result.returncode == 2 and result.stdout == ""
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "describe 8 places" in lines[0] and "has 4 ranks" in lines[0]

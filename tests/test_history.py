@@ -7,7 +7,6 @@ import json
 import math
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ import gradstat
 from gradstat.analysis.history import read_history
 from gradstat.cli.render import sparkline
 from gradstat.errors import SnapshotError
+from tests._cli import run_gradstat
 from tests._oracle import float64_norm, zeros_in
 
 SPIKE_AT, ZEROED_AT, NAN_AT, STEPS = 5, 8, 10, 11
@@ -97,13 +97,7 @@ def test_sparkline() -> None:
 
 
 def _gradstat(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "gradstat", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    return run_gradstat(*args)
 
 
 @pytest.mark.parametrize(

@@ -182,12 +182,43 @@ def test_bf16_statistics_match_float64(size: int) -> None:
     assert stats is not None and stats.has_nan and math.isnan(stats.sum_squares)
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("size", [1, 17, 513, PARALLEL_CHUNKS * CHUNK - 1, 1_000_003])
+def test_a_sum_alone_is_the_fused_pass_sum(size: int, dtype: torch.dtype) -> None:
+    """The norm's pass, one sum and nothing else: the fused pass's bits at every thread count,
+    float64's to 1e-12, and NaN or inf where the data has one."""
+    gen = torch.Generator().manual_seed(size)
+    grad = (torch.randn(2 * size, generator=gen) * 7.0).to(dtype)[::2]  # not contiguous
+    grad[3::11] = 0.0
+    expected = {2: float64_norm([grad], 2) ** 2, 1: float64_norm([grad], 1)}
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 5):
+            torch.set_num_threads(threads)
+            stats = native.fused(grad)
+            assert stats is not None
+            assert native.power_sum(grad, 2) == stats.sum_squares
+            assert native.power_sum(grad, 1) == stats.sum_abs
+    finally:
+        torch.set_num_threads(before)
+    for p, total in expected.items():
+        found = native.power_sum(grad, p)
+        assert found is not None and rel_err(found, total) <= 1e-12
+    assert native.power_sum(grad, 3) is None
+    assert native.power_sum(grad.half(), 2) is None and native.power_sum(grad.double(), 2) is None
+    grad[size // 2] = math.inf
+    assert native.power_sum(grad, 2) == native.power_sum(grad, 1) == math.inf
+    grad[size // 3] = math.nan
+    assert math.isnan(native.power_sum(grad, 2) or 0.0)
+
+
 @pytest.mark.parametrize("kernel", [True, False])
 def test_bf16_l2_with_and_without_the_kernel(kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     import gradstat
 
     if not kernel:
-        monkeypatch.setattr(native, "fused", lambda grad: None)
+        monkeypatch.setattr(native, "power_sum", lambda grad, p: None)
     gen = torch.Generator().manual_seed(4)
     grads = [(torch.randn(n, generator=gen) * 1e-3).bfloat16() for n in (3, 5000, 300_001)]
     assert rel_err(gradstat.get_grad_norm_fp32(grads, 2), float64_norm(grads, 2)) <= 1e-6

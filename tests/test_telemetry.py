@@ -10,7 +10,6 @@ import logging
 import math
 import os
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from gradstat.recorder import log as log_module
 from gradstat.recorder.log import LOG_NAME
 from gradstat.testing import Case, launch
 from tests import _torch_native
-from tests._cli import recipe
+from tests._cli import recipe, run_gradstat
 from tests._oracle import float64_norm, zeros_in
 
 
@@ -212,13 +211,7 @@ def _loop(directory: Path, steps: range, scale: Callable[[int], float] = lambda 
 
 
 def _gradstat(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "gradstat", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    return run_gradstat(*args)
 
 
 def test_a_torn_last_record_is_skipped_with_one_line(tmp_path: Path) -> None:

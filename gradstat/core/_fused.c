@@ -174,6 +174,67 @@ static inline float bf16_to_float(uint16_t bits) {
 DEFINE_FUSED(f32, float, LOAD_F32)
 DEFINE_FUSED(bf16, uint16_t, LOAD_BF16)
 
+/* One sum alone, of squares or of magnitudes: the norm's pass, which needs nothing else (the
+ * fused pass's zero count, peak and other sum cost it about half its time on bf16). Its blocks,
+ * lanes, chunks and threads are the fused pass's, added in the same order, so it gives the bits
+ * of the fused pass's sum_squares or sum_abs. */
+#define SQUARE(v) ((double)(v) * (double)(v)) /* exact, as the fused pass's square of |v| */
+#define MAGNITUDE(v) ((double)fabsf(v))
+
+#define DEFINE_SUM(NAME, TYPE, LOAD, TERM)                                                      \
+    static double block_sum_##NAME(const TYPE *p, int64_t len) {                                \
+        double lanes[LANES] = {0};                                                              \
+        int64_t i = 0;                                                                          \
+        for (; i + LANES <= len; i += LANES) {                                                  \
+            for (int k = 0; k < LANES; k++) {                                                   \
+                lanes[k] += TERM(LOAD(p, i + k));                                               \
+            }                                                                                   \
+        }                                                                                       \
+        for (; i < len; i++) {                                                                  \
+            lanes[0] += TERM(LOAD(p, i));                                                       \
+        }                                                                                       \
+        double s = 0.0;                                                                         \
+        for (int k = 0; k < LANES; k++) s += lanes[k];                                          \
+        return s;                                                                               \
+    }                                                                                           \
+                                                                                                \
+    static double chunk_sum_##NAME(const TYPE *x, int64_t start, int64_t end) {                 \
+        double sum = 0.0;                                                                       \
+        for (int64_t begin = start; begin < end; begin += BLOCK)                                \
+            sum += block_sum_##NAME(x + begin, begin + BLOCK < end ? BLOCK : end - begin);      \
+        return sum;                                                                             \
+    }                                                                                           \
+                                                                                                \
+    /* Over n elements: the sum into *out. Returns 0, or -1 if out of memory. */                \
+    int32_t gradstat_sum_##NAME(const TYPE *x, int64_t n, int32_t threads, double *out) {      \
+        const int64_t chunks = (n + CHUNK - 1) / CHUNK;                                         \
+        double total = 0.0;                                                                     \
+        if (chunks < PARALLEL_CHUNKS || threads <= 1) {                                         \
+            for (int64_t chunk = 0; chunk < chunks; chunk++) {                                  \
+                const int64_t start = chunk * CHUNK;                                            \
+                total += chunk_sum_##NAME(x, start, start + CHUNK < n ? start + CHUNK : n);     \
+            }                                                                                   \
+        } else {                                                                                \
+            double *chunk_sums = malloc(chunks * sizeof(double));                               \
+            if (chunk_sums == NULL) return -1;                                                  \
+            _Pragma("omp parallel for num_threads(threads) schedule(static)")                   \
+            for (int64_t chunk = 0; chunk < chunks; chunk++) {                                  \
+                const int64_t start = chunk * CHUNK;                                            \
+                chunk_sums[chunk] =                                                             \
+                    chunk_sum_##NAME(x, start, start + CHUNK < n ? start + CHUNK : n);          \
+            }                                                                                   \
+            for (int64_t chunk = 0; chunk < chunks; chunk++) total += chunk_sums[chunk];        \
+            free(chunk_sums);                                                                   \
+        }                                                                                       \
+        *out = total;                                                                           \
+        return 0;                                                                               \
+    }
+
+DEFINE_SUM(squares_f32, float, LOAD_F32, SQUARE)
+DEFINE_SUM(squares_bf16, uint16_t, LOAD_BF16, SQUARE)
+DEFINE_SUM(abs_f32, float, LOAD_F32, MAGNITUDE)
+DEFINE_SUM(abs_bf16, uint16_t, LOAD_BF16, MAGNITUDE)
+
 /* The guard of mapped files (see gradstat/snapshot/container.py).
  *
  * A page of a mapped file that a truncation cut off faults with SIGBUS when it is touched, in

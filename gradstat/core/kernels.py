@@ -183,15 +183,6 @@ class _Upcaster:
             self.used = 0
 
 
-def _native_power_sum(flat: Tensor, p: int) -> float | None:
-    """Sum of |x|^p (p = 1 or 2) of a CPU fp32 or bf16 tensor by the native kernel, in float64
-    with each term exact; None where the kernel is unavailable or does not apply."""
-    fused = native.fused(flat)
-    if fused is None:
-        return None
-    return fused.sum_squares if p == 2 else fused.sum_abs
-
-
 def _rows_power_sum(grads: Sequence[Tensor], p: int, device: torch.device) -> Tensor:
     """Sum of |x|^p (p = 1 or 2) of gradients not all on CUDA, in float64.
 
@@ -206,7 +197,7 @@ def _rows_power_sum(grads: Sequence[Tensor], p: int, device: torch.device) -> Te
     native_sum = [0.0]
 
     def to_native(buffer: Tensor) -> None:
-        found = _native_power_sum(buffer, p)
+        found = native.power_sum(buffer, p)
         if found is None:
             rows.add(buffer)
         else:
@@ -215,7 +206,7 @@ def _rows_power_sum(grads: Sequence[Tensor], p: int, device: torch.device) -> Te
     for grad in grads:
         flat = grad.reshape(-1)
         if flat.dtype != torch.float64:
-            found = _native_power_sum(flat, p)
+            found = native.power_sum(flat, p)
             if found is not None:
                 native_sum[0] += found
                 continue

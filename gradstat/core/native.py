@@ -55,6 +55,7 @@ __all__ = [
     "guard_release",
     "native_kernel",
     "native_library",
+    "power_sum",
 ]
 
 _SOURCE = Path(__file__).with_name("_fused.c")
@@ -209,6 +210,11 @@ def native_library() -> Any:
         arrays = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(c_int64)]
         many.argtypes = [*arrays, c_int32, c_int32, *outputs]
         one.restype = many.restype = c_int32
+    for dtype_name in _ENTRY_POINTS.values():
+        for term in ("squares", "abs"):
+            power = getattr(library, f"gradstat_sum_{term}_{dtype_name}")
+            power.argtypes = [ctypes.c_void_p, c_int64, c_int32, ctypes.POINTER(c_double)]
+            power.restype = c_int32
     library.gradstat_guard_map.argtypes = [ctypes.c_void_p, c_int64]
     library.gradstat_guard_release.argtypes = [c_int32]
     library.gradstat_guard_map.restype = library.gradstat_guard_release.restype = c_int32
@@ -229,9 +235,9 @@ _ENTRY_POINTS = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 @cache
 def _entry_point(name: str) -> Any:
-    """The library's ``gradstat_fused_<name>`` ("f32", "many_bf16", ...), or None."""
+    """The library's ``gradstat_<name>`` ("fused_f32", "sum_squares_bf16", ...), or None."""
     library = native_library()
-    return None if library is None else getattr(library, f"gradstat_fused_{name}")
+    return None if library is None else getattr(library, f"gradstat_{name}")
 
 
 @cache
@@ -245,7 +251,7 @@ def fused(grad: torch.Tensor) -> FusedStats | None:
     dtype_name = _ENTRY_POINTS.get(grad.dtype)
     if grad.device.type != "cpu" or dtype_name is None:
         return None
-    function = _entry_point(dtype_name)
+    function = _entry_point(f"fused_{dtype_name}")
     if function is None:
         return None
     flat = grad.contiguous()
@@ -268,6 +274,24 @@ def fused(grad: torch.Tensor) -> FusedStats | None:
     return FusedStats(*stats)
 
 
+def power_sum(grad: torch.Tensor, p: int) -> float | None:
+    """The sum of |x|^p (p = 1 or 2) over a CPU fp32 or bf16 tensor, alone: the bits of
+    :func:`fused`'s ``sum_abs`` or ``sum_squares`` in less time (a norm needs nothing else).
+    None when the kernel is unavailable or does not apply."""
+    dtype_name = _ENTRY_POINTS.get(grad.dtype)
+    if grad.device.type != "cpu" or dtype_name is None or p not in (1, 2):
+        return None
+    function = _entry_point(f"sum_{'squares' if p == 2 else 'abs'}_{dtype_name}")
+    if function is None:
+        return None
+    flat = grad.contiguous()
+    total = ctypes.c_double()
+    if function(flat.data_ptr(), flat.numel(), torch.get_num_threads(), ctypes.byref(total)):
+        return None  # out of memory for the per-chunk sums: let PyTorch do it
+    _say_used(dtype_name)
+    return total.value
+
+
 def fused_f32(grad: torch.Tensor) -> FusedStats | None:
     """:func:`fused` for fp32 tensors only (the snapshot reader's and the zero count's path)."""
     return fused(grad) if grad.dtype == torch.float32 else None
@@ -282,7 +306,7 @@ def fused_many_f32(grads: Sequence[torch.Tensor]) -> list[FusedStats | None]:
     """
     found: list[FusedStats | None] = [None] * len(grads)
     chosen = [index for index, grad in enumerate(grads) if grad.is_cpu and grad.dtype == _F32]
-    function = _entry_point("many_f32") if chosen else None
+    function = _entry_point("fused_many_f32") if chosen else None
     if function is None:
         return found
     flats = [grads[index].contiguous() for index in chosen]
