@@ -124,6 +124,7 @@ class _ForkServer:
         cls._replies = os.fdopen(reply_read, "r")
         cls._environ = cls._comparable(os.environ)
         atexit.register(cls._requests.close)
+        atexit.register(cls._replies.close)
 
     @classmethod
     def _reply(cls, deadline: float) -> dict[str, Any]:
