@@ -4,7 +4,9 @@ Nothing a test sees comes from an earlier run on this machine. The native kernel
 into a cache that outlives a run (``~/.cache/gradstat``); the suite builds its own into a fresh
 directory instead, so a library left by another checkout, another compiler or an interrupted
 build never stands in for the one this source makes. Subprocesses (the CLI, torchrun, spawned
-ranks) inherit the setting.
+ranks) inherit the setting. Spawned ranks start from a fork server that has imported torch and,
+where it is installed, Megatron (tests/_rank_preload.py); the CLI's runs from one that has
+imported torch (tests/_forkserver.py).
 
 Markers (registered in pyproject.toml): ``multiprocess`` for tests that spawn gloo ranks or run
 torchrun, ``slow`` for tests that take more than a few seconds; ``-m "not slow"`` is the quick
@@ -24,12 +26,17 @@ from typing import Any
 
 import pytest
 
+from gradstat.testing.spawn import PRELOAD
 from tests._cli import SAMPLE_DATA, run_gradstat
 
 if "GRADSTAT_CACHE" not in os.environ:
     _CACHE = tempfile.mkdtemp(prefix="gradstat-test-cache-")
     os.environ["GRADSTAT_CACHE"] = _CACHE
     atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+
+# The gloo ranks of gradstat.testing.launch start with Megatron imported where it is installed
+# (tests/_rank_preload.py), imported once, not 2.3 s of CPU in each rank of a Megatron launch.
+PRELOAD.append("tests._rank_preload")
 
 
 @pytest.fixture(scope="session")

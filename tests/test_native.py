@@ -213,6 +213,29 @@ def test_a_sum_alone_is_the_fused_pass_sum(size: int, dtype: torch.dtype) -> Non
     assert math.isnan(native.power_sum(grad, 2) or 0.0)
 
 
+@needs_kernel
+def test_many_sums_in_one_call_are_each_tensors_own() -> None:
+    """fp32 and bf16 tensors of many sizes, mixed with ones the kernel does not read: each sum
+    the bits of its own call, None for the others."""
+    gen = torch.Generator().manual_seed(30)
+    grads = []
+    for index in range(300):
+        dtype = (torch.float32, torch.bfloat16, torch.float16, torch.float64)[index % 4]
+        grads.append(torch.randn(1 + index * 37 % 5000, generator=gen).to(dtype))
+    grads.append(torch.randn(64, 100, generator=gen)[:, ::3])  # not contiguous
+    grads.append(torch.randn(PARALLEL_CHUNKS * CHUNK + 5, generator=gen).bfloat16())
+    for p in (1, 2):
+        sums = native.power_sums(grads, p)
+        for grad, found in zip(grads, sums, strict=True):
+            if grad.dtype in (torch.float32, torch.bfloat16):
+                assert found is not None and found == native.power_sum(grad, p)
+                assert rel_err(found, float64_norm([grad], p) ** p) <= 1e-12
+            else:
+                assert found is None
+    assert native.power_sums(grads, 3) == [None] * len(grads)
+    assert native.power_sums([], 2) == []
+
+
 @pytest.mark.parametrize("kernel", [True, False])
 def test_bf16_l2_with_and_without_the_kernel(kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     import gradstat

@@ -407,6 +407,9 @@ StatusFileOption = Annotated[
         help="Write the exit status (0, 1, 2 or 141) into this file at the end, from process 0 "
         "under torchrun (which reports any failure as 1); removed first, so a missing file "
         "means the run did not finish.",
+        # Not read, only written: under torchrun process 0 removes it while the others parse
+        # their arguments, and a readability check there failed them now and then.
+        readable=False,
     ),
 ]
 

@@ -243,6 +243,15 @@ DEFINE_FUSED(bf16, uint16_t, LOAD_BF16)
         }                                                                                       \
         *out = total;                                                                           \
         return 0;                                                                               \
+    }                                                                                           \
+                                                                                                \
+    /* The sum of each of count tensors, in one call. Returns 0, or -1 if out of memory. */     \
+    int32_t gradstat_sum_many_##NAME(const TYPE *const *xs, const int64_t *ns, int32_t count,   \
+                                     int32_t threads, double *out) {                            \
+        for (int32_t i = 0; i < count; i++) {                                                   \
+            if (gradstat_sum_##NAME(xs[i], ns[i], threads, out + i) != 0) return -1;            \
+        }                                                                                       \
+        return 0;                                                                               \
     }
 
 DEFINE_SUM(squares_f32, float, LOAD_F32, SQUARE)

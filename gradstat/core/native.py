@@ -56,6 +56,7 @@ __all__ = [
     "native_kernel",
     "native_library",
     "power_sum",
+    "power_sums",
 ]
 
 _SOURCE = Path(__file__).with_name("_fused.c")
@@ -203,18 +204,19 @@ def native_library() -> Any:
     # Where the statistics go: sums of squares and of |x|, zero counts, max |x|, NaN flags.
     kinds = (c_double, c_double, c_int64, ctypes.c_float, c_int32)
     outputs = [ctypes.POINTER(kind) for kind in kinds]
+    arrays = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(c_int64)]  # many tensors
+    total = ctypes.POINTER(c_double)
     for dtype_name in _ENTRY_POINTS.values():
-        one = getattr(library, f"gradstat_fused_{dtype_name}")
-        one.argtypes = [ctypes.c_void_p, c_int64, c_int32, *outputs]
-        many = getattr(library, f"gradstat_fused_many_{dtype_name}")
-        arrays = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(c_int64)]
-        many.argtypes = [*arrays, c_int32, c_int32, *outputs]
-        one.restype = many.restype = c_int32
-    for dtype_name in _ENTRY_POINTS.values():
+        signatures = {
+            f"fused_{dtype_name}": [ctypes.c_void_p, c_int64, c_int32, *outputs],
+            f"fused_many_{dtype_name}": [*arrays, c_int32, c_int32, *outputs],
+        }
         for term in ("squares", "abs"):
-            power = getattr(library, f"gradstat_sum_{term}_{dtype_name}")
-            power.argtypes = [ctypes.c_void_p, c_int64, c_int32, ctypes.POINTER(c_double)]
-            power.restype = c_int32
+            signatures[f"sum_{term}_{dtype_name}"] = [ctypes.c_void_p, c_int64, c_int32, total]
+            signatures[f"sum_many_{term}_{dtype_name}"] = [*arrays, c_int32, c_int32, total]
+        for name, argtypes in signatures.items():
+            function = getattr(library, f"gradstat_{name}")
+            function.argtypes, function.restype = argtypes, c_int32
     library.gradstat_guard_map.argtypes = [ctypes.c_void_p, c_int64]
     library.gradstat_guard_release.argtypes = [c_int32]
     library.gradstat_guard_map.restype = library.gradstat_guard_release.restype = c_int32
@@ -278,18 +280,37 @@ def power_sum(grad: torch.Tensor, p: int) -> float | None:
     """The sum of |x|^p (p = 1 or 2) over a CPU fp32 or bf16 tensor, alone: the bits of
     :func:`fused`'s ``sum_abs`` or ``sum_squares`` in less time (a norm needs nothing else).
     None when the kernel is unavailable or does not apply."""
-    dtype_name = _ENTRY_POINTS.get(grad.dtype)
-    if grad.device.type != "cpu" or dtype_name is None or p not in (1, 2):
-        return None
-    function = _entry_point(f"sum_{'squares' if p == 2 else 'abs'}_{dtype_name}")
-    if function is None:
-        return None
-    flat = grad.contiguous()
-    total = ctypes.c_double()
-    if function(flat.data_ptr(), flat.numel(), torch.get_num_threads(), ctypes.byref(total)):
-        return None  # out of memory for the per-chunk sums: let PyTorch do it
-    _say_used(dtype_name)
-    return total.value
+    return power_sums([grad], p)[0]
+
+
+def power_sums(grads: Sequence[torch.Tensor], p: int) -> list[float | None]:
+    """:func:`power_sum` of each of ``grads``, those of each element type in a single call (a
+    call from Python costs more than the pass over a small tensor)."""
+    found: list[float | None] = [None] * len(grads)
+    if p not in (1, 2):
+        return found
+    term = "squares" if p == 2 else "abs"
+    for dtype, dtype_name in _ENTRY_POINTS.items():
+        chosen = [index for index, grad in enumerate(grads) if grad.is_cpu and grad.dtype == dtype]
+        function = _entry_point(f"sum_many_{term}_{dtype_name}") if chosen else None
+        if function is None:
+            continue
+        flats = [grads[index].contiguous() for index in chosen]
+        count = len(flats)
+        sums = (ctypes.c_double * count)()
+        if function(*_pointers_and_sizes(flats), count, torch.get_num_threads(), sums):
+            continue  # out of memory for the per-chunk sums: let PyTorch do it
+        _say_used(dtype_name)
+        for index, total in zip(chosen, sums, strict=True):
+            found[index] = total
+    return found
+
+
+def _pointers_and_sizes(flats: Sequence[torch.Tensor]) -> tuple[Any, Any]:
+    """The C arrays of the data pointers and of the element counts of contiguous tensors."""
+    count = len(flats)
+    pointers = (ctypes.c_void_p * count)(*(flat.data_ptr() for flat in flats))
+    return pointers, (ctypes.c_int64 * count)(*(flat.numel() for flat in flats))
 
 
 def fused_f32(grad: torch.Tensor) -> FusedStats | None:
@@ -315,8 +336,7 @@ def fused_many_f32(grads: Sequence[torch.Tensor]) -> list[FusedStats | None]:
     zeros = (ctypes.c_int64 * count)()
     peaks, nans = (ctypes.c_float * count)(), (ctypes.c_int32 * count)()
     status = function(
-        (ctypes.c_void_p * count)(*(flat.data_ptr() for flat in flats)),
-        (ctypes.c_int64 * count)(*(flat.numel() for flat in flats)),
+        *_pointers_and_sizes(flats),
         count,
         torch.get_num_threads(),
         sums,

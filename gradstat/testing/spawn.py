@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["Case", "LaunchReport", "Outcome", "launch", "spawn"]
+__all__ = ["PRELOAD", "Case", "LaunchReport", "Outcome", "launch", "spawn"]
 
 
 @dataclass(frozen=True)
@@ -134,16 +134,21 @@ def _rank_main(
     os._exit(1 if failed else 0)
 
 
+# What every rank has imported before it starts: a test suite may add its own modules, before
+# its first launch (they are imported once, by multiprocessing's fork server).
+PRELOAD: list[str] = ["torch", "torch.distributed"]
+
+
 @cache
 def _context() -> Any:
-    """Where ranks start: forked from a server process that has imported torch.
+    """Where ranks start: forked from a server process that has imported ``PRELOAD``.
 
-    Every rank is a fresh process that has run nothing but ``import torch`` (no thread, no
+    Every rank is a fresh process that has run nothing but those imports (no thread, no
     process group, no CUDA context), as a spawned one would be, without importing torch again:
     a second of CPU per rank, which on a small machine is most of a short launch.
     """
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 
