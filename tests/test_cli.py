@@ -12,6 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gradstat.cli import app
+from tests import _cli
 from tests._cli import SAMPLE_DATA, run_gradstat
 from tests._jobs import Job, dump_layout, full_grads, model_specs
 from tests._oracle import float64_norm, rel_err, zeros_in
@@ -270,3 +271,31 @@ def test_interrupted_clip_leaves_no_output(
         "([Errno 28] No space left on device)\n"
     )
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["norm", str(SAMPLE_DATA / "gtp2-pp2-dp2-ep2"), "--json"],
+        ["zeros", str(SAMPLE_DATA / "tp2-pp2-dp2-ep2-distopt-nan")],
+        ["norm", "/nonexistent"],
+        ["nonsense"],
+        ["--help"],
+    ],
+    ids=["json", "table, exit 1", "exit 2", "usage", "help"],
+)
+def test_a_forked_run_is_what_a_fresh_interpreter_does(
+    args: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tests/_cli.py forks the CLI's runs from a process that imported torch: the same exit
+    status, stdout and stderr as ``python -m gradstat`` started afresh."""
+    assert _cli._ForkServer.serves()
+    forked = run_gradstat(*args)
+    monkeypatch.setenv("GRADSTAT_TEST_FORK", "0")
+    fresh = run_gradstat(*args)
+    assert (forked.returncode, forked.stdout, forked.stderr) == (
+        fresh.returncode,
+        fresh.stdout,
+        fresh.stderr,
+    )
+    assert forked.stdout or forked.stderr

@@ -147,6 +147,8 @@ def _context() -> Any:
     process group, no CUDA context), as a spawned one would be, without importing torch again:
     a second of CPU per rank, which on a small machine is most of a short launch.
     """
+    if "forkserver" not in mp.get_all_start_methods():  # not on Windows: each rank imports
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
