@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -215,8 +216,9 @@ def test_a_sum_alone_is_the_fused_pass_sum(size: int, dtype: torch.dtype) -> Non
 
 @needs_kernel
 def test_many_sums_in_one_call_are_each_tensors_own() -> None:
-    """fp32 and bf16 tensors of many sizes, mixed with ones the kernel does not read: each sum
-    the bits of its own call, None for the others."""
+    """fp32 and bf16 tensors of many sizes (empty ones too), mixed with ones the kernel does not
+    read, at several thread counts: each sum the bits of the fused pass over that tensor alone,
+    None for the others."""
     gen = torch.Generator().manual_seed(30)
     grads = []
     for index in range(300):
@@ -224,14 +226,26 @@ def test_many_sums_in_one_call_are_each_tensors_own() -> None:
         grads.append(torch.randn(1 + index * 37 % 5000, generator=gen).to(dtype))
     grads.append(torch.randn(64, 100, generator=gen)[:, ::3])  # not contiguous
     grads.append(torch.randn(PARALLEL_CHUNKS * CHUNK + 5, generator=gen).bfloat16())
-    for p in (1, 2):
-        sums = native.power_sums(grads, p)
-        for grad, found in zip(grads, sums, strict=True):
-            if grad.dtype in (torch.float32, torch.bfloat16):
-                assert found is not None and found == native.power_sum(grad, p)
-                assert rel_err(found, float64_norm([grad], p) ** p) <= 1e-12
-            else:
-                assert found is None
+    grads[7:7] = [torch.empty(0), torch.empty(0, dtype=torch.bfloat16)]
+    grads.append(torch.empty(0))
+    before = torch.get_num_threads()
+    try:
+        for threads, p in itertools.product((1, 2, 3), (1, 2)):
+            torch.set_num_threads(threads)
+            sums = native.power_sums(grads, p)
+            for grad, found in zip(grads, sums, strict=True):
+                if grad.dtype not in (torch.float32, torch.bfloat16):
+                    assert found is None
+                    continue
+                stats = native.fused(grad)  # the other pass, a call of its own
+                assert stats is not None and found is not None
+                assert found == (stats.sum_squares if p == 2 else stats.sum_abs)
+                if grad.numel() == 0:
+                    assert found == 0.0
+                else:
+                    assert rel_err(found, float64_norm([grad], p) ** p) <= 1e-12
+    finally:
+        torch.set_num_threads(before)
     assert native.power_sums(grads, 3) == [None] * len(grads)
     assert native.power_sums([], 2) == []
 
