@@ -54,10 +54,12 @@ static inline float bf16_to_float(uint16_t bits) {
 
 /* Ask for the cache lines PREFETCH_BYTES ahead of a block before summing it: the hardware
  * prefetcher alone kept too few loads in flight. Measured from memory on this project's 2-core
- * CPU (256M elements): bf16 squares at 4.1 G elements/s on two threads without it, 9.1 with
- * it (PyTorch's vector_norm 5.1); fp32 at 4.4 and 6.1 (PyTorch 2.9). 4 to 32 KiB ahead gave
- * the same within noise. A prefetch never faults, past a tensor's end or a truncated map's. */
-#define PREFETCH_BYTES 8192
+ * CPU (256M elements, two threads): bf16 squares at 4.1 G elements/s without it, 10.6 with it
+ * (PyTorch's vector_norm 5.6); fp32 at 4.4 and 6.7 (PyTorch 3.8). In benchmarks/bench_core.py,
+ * 2 KiB ahead against 8: zero counts 0.31x of PyTorch's against 0.42x, bf16 L2 0.61x against
+ * 0.66x, fp32 L2 0.57x against 0.54x. A prefetch never faults, past a tensor's end or a
+ * truncated map's. */
+#define PREFETCH_BYTES 2048
 static inline void prefetch_ahead(const void *block, int64_t bytes) {
     for (int64_t offset = 0; offset < bytes; offset += 64)
         __builtin_prefetch((const char *)block + PREFETCH_BYTES + offset);
