@@ -82,14 +82,16 @@ class _ForkServer:
     CLI hundreds of times. The server is started at the first run and serves the session; the
     child of each run has the environment of this process at the time of the call. Where this
     process's environment differs from the server's in anything that is read at import (every
-    variable but pytest's own), the run is a new interpreter instead.
+    variable but ``_VOLATILE``), the run is a new interpreter instead.
     """
 
     _process: subprocess.Popen[bytes] | None = None
     _requests: Any = None
     _replies: Any = None
     _environ: ClassVar[dict[str, str]] = {}
-    _VOLATILE = ("PYTEST_CURRENT_TEST",)
+    # pytest's own, and what libraries set in this process to the defaults a fresh process
+    # would find anyway (torch's inductor names its cache once it is imported).
+    _VOLATILE = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
 
     @classmethod
     def _comparable(cls, environ: Mapping[str, str]) -> dict[str, str]:
