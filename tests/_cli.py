@@ -79,16 +79,19 @@ class _ForkServer:
     """``python -m gradstat`` forked from one process that imported torch (tests/_forkserver.py).
 
     A fresh interpreter spends 1.1 of its 1.2 s here on ``import torch``, and the suite runs the
-    CLI hundreds of times. The server is started at the first run and serves the session; the
-    child of each run has the environment of this process at the time of the call. Where this
-    process's environment differs from the server's in anything that is read at import (every
-    variable but ``_VOLATILE``), the run is a new interpreter instead.
+    CLI hundreds of times. The server is started at the first run and serves the session, with
+    the environment :func:`pin_fork_server_environment` took (conftest.py pins it before any
+    test can change it; else the one at the first run). The child of each run has the
+    environment of this process at the time of the call. Where that differs from the server's
+    in anything that is read at import (every variable but ``_VOLATILE``), the run is a new
+    interpreter instead.
     """
 
     _process: subprocess.Popen[bytes] | None = None
     _requests: Any = None
     _replies: Any = None
-    _environ: ClassVar[dict[str, str]] = {}
+    _pinned: ClassVar[dict[str, str] | None] = None  # the server's whole environment
+    _environ: ClassVar[dict[str, str]] = {}  # what of it a run's must equal
     # pytest's own, and what libraries set in this process to the defaults a fresh process
     # would find anyway (torch's inductor names its cache once it is imported).
     _VOLATILE = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
@@ -107,6 +110,9 @@ class _ForkServer:
 
     @classmethod
     def _start(cls) -> None:
+        if cls._pinned is None:
+            cls._pinned = dict(os.environ)
+        cls._environ = cls._comparable(cls._pinned)
         request_read, request_write = os.pipe()
         reply_read, reply_write = os.pipe()
         cls._process = subprocess.Popen(
@@ -119,12 +125,12 @@ class _ForkServer:
             pass_fds=(request_read, reply_write),
             stdin=subprocess.DEVNULL,
             cwd=ROOT,
+            env=cls._pinned,
         )
         os.close(request_read)
         os.close(reply_write)
         cls._requests = os.fdopen(request_write, "w")
         cls._replies = os.fdopen(reply_read, "r")
-        cls._environ = cls._comparable(os.environ)
         atexit.register(cls._requests.close)
         atexit.register(cls._replies.close)
 
@@ -164,6 +170,11 @@ class _ForkServer:
         return subprocess.CompletedProcess(
             [sys.executable, "-m", "gradstat", *args], status, stdout, stderr
         )
+
+
+def pin_fork_server_environment() -> None:
+    """Start the fork server, whenever it starts, with this process's environment as it is now."""
+    _ForkServer._pinned = dict(os.environ)
 
 
 class _NoReply(Exception):

@@ -27,12 +27,15 @@ from typing import Any
 import pytest
 
 from gradstat.testing.spawn import PRELOAD
-from tests._cli import SAMPLE_DATA, run_gradstat
+from tests._cli import SAMPLE_DATA, pin_fork_server_environment, run_gradstat
 
 if "GRADSTAT_CACHE" not in os.environ:
     _CACHE = tempfile.mkdtemp(prefix="gradstat-test-cache-")
     os.environ["GRADSTAT_CACHE"] = _CACHE
     atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+
+# The CLI's fork server imports with the suite's environment, not one a test has changed.
+pin_fork_server_environment()
 
 # The gloo ranks of gradstat.testing.launch start with Megatron imported where it is installed
 # (tests/_rank_preload.py), imported once, not 2.3 s of CPU in each rank of a Megatron launch.
