@@ -23,17 +23,20 @@ from types import FrameType
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from gradstat.analysis.audit import audit_snapshot
 from gradstat.analysis.compare import compare_snapshots
 from gradstat.analysis.stats import snapshot_stats
 from gradstat.distributed.runner import Processes
-from gradstat.errors import GradstatError
+from gradstat.errors import GradstatError, SnapshotError
 from gradstat.snapshot import Snapshot, save_rank
+from gradstat.snapshot.format import ATTRIBUTE_KINDS, _checked_param, _plain_record
 from gradstat.snapshot.reader import Repeats, open_rank_file
 
 MUTANTS = 2000
 SEED = 20261129
+SAMPLE_DATA = Path(__file__).resolve().parents[1] / "sample_data"
 
 
 def _good_snapshot(directory: Path) -> None:
@@ -256,6 +259,79 @@ def test_headers_built_to_split_wrongly_read_as_a_whole_parse_reads(tmp_path: Pa
         (trial / names[1]).write_bytes(_join(header, data))
         seen = Repeats(dict(known.layouts), dict(known.params))
         assert _read(trial, names[1], seen) == _read(trial, names[1], None), edge
+
+
+# Values a record's fields take in a mutant: sound ones of other kinds, and the edges.
+_FIELD_VALUES: tuple[Any, ...] = (
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1.5,
+    2**63,
+    "",
+    "x",
+    "float32",
+    "bfloat16",
+    "F32",
+    [],
+    [0],
+    [-1],
+    [2, 3],
+    [True],
+    [1.0],
+    [2**62, 4],
+    [2**63],
+    {},
+    {"a": 1},
+    [0, 2**64],
+)
+
+
+def _mutated_record(entry: dict[str, Any], rng: random.Random) -> dict[str, Any]:
+    mutant = json.loads(json.dumps(entry))
+    for _ in range(rng.randint(1, 3)):
+        where = mutant if rng.random() < 0.6 else mutant.setdefault("attrs", {})
+        if type(where) is not dict:
+            continue
+        keys = [*sorted(where), "dtensor", "extra", *ATTRIBUTE_KINDS]
+        key = rng.choice(keys)
+        if rng.random() < 0.2:
+            where.pop(key, None)
+        else:
+            where[key] = rng.choice(_FIELD_VALUES)
+    return mutant
+
+
+def test_the_quick_record_check_accepts_only_what_the_full_check_does() -> None:
+    """A parameter record accepted in a few steps (``_plain_record``, which declines anything
+    unusual) is the record the field-by-field check makes of it, and that check accepts it."""
+    entries = []
+    for path in sorted(SAMPLE_DATA.glob("*/*.safetensors")):
+        with safe_open(str(path), framework="pt") as file:
+            entries += json.loads(file.metadata()["gradstat"])["params"]
+    assert entries
+    rng = random.Random(SEED)
+    quick = 0
+    for index in range(20_000):
+        entry = (
+            rng.choice(entries) if index % 10 == 0 else _mutated_record(rng.choice(entries), rng)
+        )
+        record = _plain_record(entry)
+        try:
+            checked = _checked_param(Path("rank.safetensors"), 0, entry)
+        except SnapshotError:
+            checked = None
+        if record is not None:
+            quick += 1
+            assert record == checked, entry
+        if entry.get("dtensor") is None and checked is not None and index % 10 == 0:
+            # An unmutated plain record is taken the quick way.
+            assert record is not None or any(
+                key in entry["attrs"] for key in ("gtp_group", "fragment_offset", "fragment_shape")
+            )
+    assert quick > 2_000
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from gradstat.core.predicates import gtp_pad_zero_count, param_is_not_shared, pa
 from gradstat.distributed.runner import Processes, Progress, gather
 from gradstat.errors import SnapshotError
 from gradstat.snapshot import RankFile, RebuiltParam, Snapshot, SnapshotShare
+from gradstat.snapshot.container import kept_fp32
 from gradstat.snapshot.format import RankHeader
 from gradstat.snapshot.reader import FileSummary
 
@@ -271,27 +272,55 @@ def tensor_piece(
     stats = kernels.tensor_stats(
         grad, request.finite, request.with_inf, request.zeros, request.device, fused
     )
-    norms, max_abs = stats.norms, stats.max_abs
-    pad = gtp_pad_zero_count(param, grad)
-    # count_zeros_fp32 without its reduction: this runs per tensor, also under a launcher whose
-    # processes hold different numbers of tensors (``counts`` applied the filters).
-    zeros = 0 if stats.zeros is None else stats.zeros - pad
-    partials = norms if max_abs is None else (*norms, max_abs)
+    partials = _partials(stats)
     nonfinite = None
     # NaN and Inf propagate into every norm: only a non-finite partial needs the extra passes.
     if not all(map(math.isfinite, partials)):
         nan, inf = int(torch.isnan(grad).sum()), int(torch.isinf(grad).sum())
         if nan or inf:
             nonfinite = NonFinite(rank_file.rank, param.name, nan, inf)
+    return _piece(rank_file, param, grad.numel(), gtp_pad_zero_count(param, grad), stats, nonfinite)
+
+
+def _fused_piece(
+    rank_file: Placed, param: RebuiltParam, numel: int, fused: native.FusedStats, request: Request
+) -> Piece | None:
+    """:func:`tensor_piece` of a tensor of ``numel`` elements from its native pass alone, where
+    that is all it needs: None where it needs the tensor itself (a norm the pass does not give,
+    a non-finite value to locate, a GTP shard's padding, placed by its shape)."""
+    if param.record.attr("is_gtp_weight_remat"):
+        return None
+    stats = kernels.fused_stats(fused, request.finite, request.with_inf, request.zeros)
+    if stats is None:  # among others, wherever a NaN or an inf made a sum non-finite
+        return None
+    # Not a GTP shard: the padding is the stamped count or none, and the tensor is not read.
+    return _piece(rank_file, param, numel, gtp_pad_zero_count(param, None), stats, None)
+
+
+def _partials(stats: kernels.TensorStats) -> tuple[float, ...]:
+    return stats.norms if stats.max_abs is None else (*stats.norms, stats.max_abs)
+
+
+def _piece(
+    rank_file: Placed,
+    param: RebuiltParam,
+    numel: int,
+    pad: int,
+    stats: kernels.TensorStats,
+    nonfinite: NonFinite | None,
+) -> Piece:
+    # count_zeros_fp32 without its reduction: this runs per tensor, also under a launcher whose
+    # processes hold different numbers of tensors (``counts`` applied the filters).
+    zeros = 0 if stats.zeros is None else stats.zeros - pad
     return Piece(
         rank=rank_file.rank,
         name=param.name,
         expert=param.record.is_expert,
-        numel=grad.numel() - pad,
+        numel=numel - pad,
         pad_zeros=pad,
         zeros=zeros,
-        norms=norms,
-        max_abs=max_abs,
+        norms=stats.norms,
+        max_abs=stats.max_abs,
         nonfinite=nonfinite,
     )
 
@@ -301,18 +330,54 @@ def file_pieces(rank_file: RankFile, request: Request) -> list[Piece]:
     with rank_file.params() as params:
         counted = [param for param in params if counts(rank_file, param)]
         if rank_file.one_tensor_at_a_time:
-            return [piece for param in counted for piece in _one_piece(rank_file, param, request)]
-        grads = [_grad(param, request) for param in counted]
-        # One native call for the file's fp32 tensors: small ones cost less than the call.
-        passes = native.fused_many_f32(grads) if request.one_pass else [None] * len(grads)
-        pieces = [
-            tensor_piece(rank_file, param, grad, request, fused)
-            for param, grad, fused in zip(counted, grads, passes, strict=True)
-        ]
-        if request.split_experts:
-            pieces += _expert_row_pieces(rank_file, counted, grads, request)
+            pieces = [p for param in counted for p in _one_piece(rank_file, param, request)]
+        elif (kept := _kept_pieces(rank_file, counted, request)) is not None:
+            pieces = kept
+        else:
+            pieces = _mapped_pieces(rank_file, counted, request)
         _log.debug("%s: %d of %d tensors counted", rank_file.path, len(pieces), len(params))
         return pieces
+
+
+def _mapped_pieces(
+    rank_file: RankFile, counted: Sequence[RebuiltParam], request: Request
+) -> list[Piece]:
+    """The pieces of a mapped file's counted tensors, their expert rows too when asked."""
+    grads = [_grad(param, request) for param in counted]
+    # One native call for the file's fp32 tensors: small ones cost less than the call.
+    passes = native.fused_many_f32(grads) if request.one_pass else [None] * len(grads)
+    pieces = [
+        tensor_piece(rank_file, param, grad, request, fused)
+        for param, grad, fused in zip(counted, grads, passes, strict=True)
+    ]
+    if request.split_experts:
+        pieces += _expert_row_pieces(rank_file, counted, grads, request)
+    return pieces
+
+
+def _kept_pieces(
+    rank_file: RankFile, counted: Sequence[RebuiltParam], request: Request
+) -> list[Piece] | None:
+    """The pieces of a small file read whole (see ``open_rank_files``) whose counted tensors
+    are all fp32, from one native pass over its bytes: no tensor is made unless a piece needs
+    it (see :func:`_fused_piece`). None where that does not apply (the caller makes tensors).
+
+    A snapshot of thousands of such files spends more on Python than on their bytes: a tensor
+    view costs about as much as the pass over a small tensor (7 against 5 us, 2048 elements).
+    """
+    if not (request.one_pass and request.device == _CPU and not request.split_experts):
+        return None
+    found = kept_fp32(rank_file.container, [param.name for param in counted])
+    passes = None if found is None else native.fused_many_at(*found)
+    if found is None or passes is None:
+        return None
+    pieces = []
+    for param, numel, fused in zip(counted, found[1], passes, strict=True):
+        piece = _fused_piece(rank_file, param, numel, fused, request)
+        if piece is None:
+            piece = tensor_piece(rank_file, param, _grad(param, request), request, fused)
+        pieces.append(piece)
+    return pieces
 
 
 def _one_piece(rank_file: RankFile, param: RebuiltParam, request: Request) -> list[Piece]:

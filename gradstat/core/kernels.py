@@ -731,15 +731,14 @@ def tensor_stats(
     """
     if fused is None and one_pass_serves(finite, with_inf, zeros):
         fused = native.fused_f32(grad)
+    if fused is not None:
+        found = fused_stats(fused, finite, with_inf, zeros)
+        if found is not None:
+            return found
 
     def one_norm(p: float) -> float:
-        if p in (1, 2) and fused is not None:
-            if fused.max_abs == 0.0 and not fused.has_nan:
-                return 0.0
-            total = fused.sum_squares if p == 2 else fused.sum_abs
-            if UNDERFLOW_GUARD <= total < math.inf:
-                return math.sqrt(total) if p == 2 else total
-        return norm([grad], p, device)
+        value = None if fused is None else fused_norm(fused, p)
+        return norm([grad], p, device) if value is None else value
 
     max_abs = None
     if with_inf:
@@ -747,9 +746,37 @@ def tensor_stats(
             max_abs = float(abs_max([grad], device))
         else:
             max_abs = math.nan if fused.has_nan else fused.max_abs
-    found = None
+    found_zeros = None
     if zeros:
-        found = (
+        found_zeros = (
             fused.zeros if fused is not None else grad.numel() - int(nonzero_count([grad], device))
         )
-    return TensorStats(tuple(one_norm(p) for p in finite), max_abs, found)
+    return TensorStats(tuple(one_norm(p) for p in finite), max_abs, found_zeros)
+
+
+def fused_norm(fused: native.FusedStats, p: float) -> float | None:
+    """The p-norm that the native pass gives for p = 1 or 2, as :func:`norm` would take it;
+    None for another p, or where :func:`norm` recomputes (a sum out of the ordinary range)."""
+    if p not in (1, 2):
+        return None
+    if fused.max_abs == 0.0 and not fused.has_nan:
+        return 0.0
+    total = fused.sum_squares if p == 2 else fused.sum_abs
+    if UNDERFLOW_GUARD <= total < math.inf:
+        return math.sqrt(total) if p == 2 else total
+    return None
+
+
+def fused_stats(
+    fused: native.FusedStats, finite: Sequence[float], with_inf: bool, zeros: bool
+) -> TensorStats | None:
+    """:func:`tensor_stats` from the native pass alone, no tensor needed; None where a norm
+    needs the tensor (see :func:`fused_norm`)."""
+    norms = []
+    for p in finite:
+        value = fused_norm(fused, p)
+        if value is None:
+            return None
+        norms.append(value)
+    max_abs = (math.nan if fused.has_nan else fused.max_abs) if with_inf else None
+    return TensorStats(tuple(norms), max_abs, fused.zeros if zeros else None)

@@ -36,6 +36,7 @@ import subprocess
 import tempfile
 import time
 import warnings
+from array import array
 from collections.abc import Sequence
 from ctypes import c_double, c_int32, c_int64
 from functools import cache
@@ -50,6 +51,7 @@ __all__ = [
     "FusedStats",
     "fused",
     "fused_f32",
+    "fused_many_at",
     "fused_many_f32",
     "guard_map",
     "guard_release",
@@ -204,16 +206,24 @@ def native_library() -> Any:
     # Where the statistics go: sums of squares and of |x|, zero counts, max |x|, NaN flags.
     kinds = (c_double, c_double, c_int64, ctypes.c_float, c_int32)
     outputs = [ctypes.POINTER(kind) for kind in kinds]
-    arrays = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(c_int64)]  # many tensors
     total = ctypes.POINTER(c_double)
+    # The many-tensor calls take addresses of ``array`` buffers (see ``_arrays``): ctypes
+    # converts a plain address faster than a typed pointer, and a call per small file shows it.
+    address = ctypes.c_void_p
     for dtype_name in _ENTRY_POINTS.values():
         signatures = {
             f"fused_{dtype_name}": [ctypes.c_void_p, c_int64, c_int32, *outputs],
-            f"fused_many_{dtype_name}": [*arrays, c_int32, c_int32, *outputs],
+            f"fused_many_{dtype_name}": [address, address, c_int32, c_int32, *[address] * 5],
         }
         for term in ("squares", "abs"):
             signatures[f"sum_{term}_{dtype_name}"] = [ctypes.c_void_p, c_int64, c_int32, total]
-            signatures[f"sum_many_{term}_{dtype_name}"] = [*arrays, c_int32, c_int32, total]
+            signatures[f"sum_many_{term}_{dtype_name}"] = [
+                address,
+                address,
+                c_int32,
+                c_int32,
+                address,
+            ]
         for name, argtypes in signatures.items():
             function = getattr(library, f"gradstat_{name}")
             function.argtypes, function.restype = argtypes, c_int32
@@ -295,10 +305,11 @@ def power_sums(grads: Sequence[torch.Tensor], p: int) -> list[float | None]:
         function = _entry_point(f"sum_many_{term}_{dtype_name}") if chosen else None
         if function is None:
             continue
-        flats = [grads[index].contiguous() for index in chosen]
-        count = len(flats)
-        sums = (ctypes.c_double * count)()
-        if function(*_pointers_and_sizes(flats), count, torch.get_num_threads(), sums):
+        flats = [grads[index].contiguous() for index in chosen]  # alive through the call
+        pointers, sizes = _arrays(flats)
+        sums = _zeroed("d", len(chosen))
+        threads = torch.get_num_threads()
+        if function(*map(address_of, (pointers, sizes)), len(chosen), threads, address_of(sums)):
             continue  # out of memory for the per-chunk sums: let PyTorch do it
         _say_used(dtype_name)
         for index, total in zip(chosen, sums, strict=True):
@@ -306,16 +317,35 @@ def power_sums(grads: Sequence[torch.Tensor], p: int) -> list[float | None]:
     return found
 
 
-def _pointers_and_sizes(flats: Sequence[torch.Tensor]) -> tuple[Any, Any]:
-    """The C arrays of the data pointers and of the element counts of contiguous tensors."""
-    count = len(flats)
-    pointers = (ctypes.c_void_p * count)(*(flat.data_ptr() for flat in flats))
-    return pointers, (ctypes.c_int64 * count)(*(flat.numel() for flat in flats))
+def address_of(buffer: array[Any]) -> int:
+    """The address of an ``array``'s items (valid while it lives and is not resized)."""
+    return buffer.buffer_info()[0]
+
+
+def _arrays(flats: Sequence[torch.Tensor]) -> tuple[array[int], array[int]]:
+    """The data pointers and the element counts of contiguous tensors, as C arrays."""
+    pointers, sizes = array("q"), array("q")
+    for flat in flats:
+        pointers.append(flat.data_ptr())
+        sizes.append(flat.numel())
+    return pointers, sizes
+
+
+def _zeroed(code: str, count: int) -> array[Any]:
+    """An array of ``count`` zero items of type ``code``."""
+    return array(code, bytes(count * _ITEM_BYTES[code]))
+
+
+_ITEM_BYTES = {code: array(code).itemsize for code in "dqfi"}
 
 
 def fused_f32(grad: torch.Tensor) -> FusedStats | None:
     """:func:`fused` for fp32 tensors only (the snapshot reader's and the zero count's path)."""
     return fused(grad) if grad.dtype == torch.float32 else None
+
+
+# The array type codes of FusedStats' fields, as the C kernel writes them.
+_FUSED_CODES = ("d", "d", "q", "f", "i")
 
 
 def fused_many_f32(grads: Sequence[torch.Tensor]) -> list[FusedStats | None]:
@@ -327,31 +357,43 @@ def fused_many_f32(grads: Sequence[torch.Tensor]) -> list[FusedStats | None]:
     """
     found: list[FusedStats | None] = [None] * len(grads)
     chosen = [index for index, grad in enumerate(grads) if grad.is_cpu and grad.dtype == _F32]
-    function = _entry_point("fused_many_f32") if chosen else None
-    if function is None:
+    if not chosen:
         return found
-    flats = [grads[index].contiguous() for index in chosen]
-    count = len(flats)
-    sums, sums_abs = (ctypes.c_double * count)(), (ctypes.c_double * count)()
-    zeros = (ctypes.c_int64 * count)()
-    peaks, nans = (ctypes.c_float * count)(), (ctypes.c_int32 * count)()
+    flats = [grads[index].contiguous() for index in chosen]  # alive through the call
+    passes = fused_many_at(*_arrays(flats))
+    if passes is None:
+        return found
+    for index, stats in zip(chosen, passes, strict=True):
+        found[index] = stats
+    return found
+
+
+def fused_many_at(pointers: array[int], sizes: array[int]) -> list[FusedStats] | None:
+    """:func:`fused_f32` of each array of ``sizes[i]`` fp32 values at address ``pointers[i]``
+    (``array("q")`` both), in a single call; None when the kernel is unavailable.
+
+    For bytes that no tensor views: a small rank file read whole holds its tensors' values, and
+    a tensor costs more to make than their pass (see :func:`gradstat.analysis.stats.file_pieces`).
+    The caller keeps the memory alive and unchanged through the call.
+    """
+    function = _entry_point("fused_many_f32")
+    if function is None:
+        return None
+    count = len(pointers)
+    outputs = [_zeroed(code, count) for code in _FUSED_CODES]
     status = function(
-        *_pointers_and_sizes(flats),
+        address_of(pointers),
+        address_of(sizes),
         count,
         torch.get_num_threads(),
-        sums,
-        sums_abs,
-        zeros,
-        peaks,
-        nans,
+        *map(address_of, outputs),
     )
     if status != 0:
-        return found  # out of memory for the per-chunk sums: let PyTorch do it
+        return None  # out of memory for the per-chunk sums: let PyTorch do it
     _say_used("f32")
+    sums, sums_abs, zeros, peaks, nans = outputs
     results = zip(sums, sums_abs, zeros, peaks, map(bool, nans), strict=True)
-    for index, stats in zip(chosen, results, strict=True):
-        found[index] = FusedStats._make(stats)
-    return found
+    return list(map(FusedStats._make, results))
 
 
 def guard_map(address: int, length: int) -> int | None:

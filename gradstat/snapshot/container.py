@@ -32,6 +32,7 @@ import mmap
 import os
 import struct
 import warnings
+from array import array
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -470,6 +471,25 @@ def mapped(container: Container) -> MappedTensors:
             it (then, or later when a tensor is looked up).
     """
     return MappedTensors(container)
+
+
+def kept_fp32(container: Container, names: Sequence[str]) -> tuple[array[int], array[int]] | None:
+    """The addresses and element counts (``array("q")`` both) of the tensors ``names`` in the
+    bytes of a file read whole with its header (``Container.data``), for a native pass over
+    them; None unless the file was so read and every one of them is fp32.
+
+    The addresses hold while the container does: its bytes are never resized. Look the file up
+    first (``with mapped(container)``), which finds it unchanged since it was read.
+    """
+    data = container.data
+    if data is None:
+        return None
+    slots = [container.slots[name] for name in names]
+    if any(slot.dtype != "float32" for slot in slots):
+        return None
+    base = ctypes.addressof(ctypes.c_char.from_buffer(data)) + container.data_start
+    pointers = array("q", [base + slot.start for slot in slots])
+    return pointers, array("q", [math.prod(slot.shape) for slot in slots])
 
 
 def write_container(

@@ -496,6 +496,48 @@ _AXIS_NAMES = frozenset(AXES)
 
 
 def _parse_param(path: Path, index: int, entry: Any) -> ParamRecord:
+    record = _plain_record(entry)
+    return record if record is not None else _checked_param(path, index, entry)
+
+
+# The attributes that need no check beyond their type (the others' values are placed).
+_TYPED_ONLY = {
+    key: kind
+    for key, kind in ATTRIBUTE_KINDS.items()
+    if key not in ("gtp_group", "fragment_offset", "fragment_shape")
+}
+
+
+def _plain_record(entry: Any) -> ParamRecord | None:
+    """The record of a plain entry (no DTensor, no fragment, no GTP group, each attribute of
+    its own type), checked in a few steps: a rank file lists thousands, and a snapshot whose
+    files do not repeat each other's lists has every one checked. None for any other entry,
+    sound or not, which :func:`_checked_param` reads (and words what is wrong): what this
+    accepts, it accepts as that does, and makes the same record of."""
+    if type(entry) is not dict:
+        return None
+    name, has_grad, dtype = entry.get("name"), entry.get("grad"), entry.get("dtype")
+    shape, param_shape, attrs = entry.get("shape"), entry.get("param_shape"), entry.get("attrs")
+    if not (
+        type(name) is str
+        and type(has_grad) is bool
+        and ((type(dtype) is str and dtype in DTYPES) or (dtype is None and not has_grad))
+        and type(shape) is list
+        and type(param_shape) is list
+        and type(attrs) is dict
+        and entry.get("dtensor") is None
+        and all(type(value) is _TYPED_ONLY.get(key) for key, value in attrs.items())
+        and are_sizes(shape)
+        and are_sizes(param_shape)
+        and fits_torch(shape)
+        and fits_torch(param_shape)
+    ):
+        return None
+    return ParamRecord(name, has_grad, tuple(shape), dtype, tuple(param_shape), attrs)
+
+
+def _checked_param(path: Path, index: int, entry: Any) -> ParamRecord:
+    """A parameter record checked field by field, naming the first field that is wrong."""
     fields = _Fields(path, "params[{}]", entry, index)
     name = fields.get("name", str)
     fields.name("parameter {!r}", name)
