@@ -2,9 +2,9 @@
 
 Writes (once, in a child process) a synthetic checkpoint of ``--gib`` GiB with
 ``torch.distributed.checkpoint.save`` and a ``FileSystemWriter`` of ``--files`` threads (one data
-file each): ``{"model": {name: fp32 weight}}`` of a GPT-shaped model (embedding, per layer
-qkv/proj/fc1/fc2 and layernorms), then times, alternately and each as a whole fresh process,
-from launch to exit, as a user waits for it (peak RSS from ``wait4``):
+file each): ``{"model": {name: fp32 weight}}`` of a GPT-shaped model (embedding, ``--layers``
+layers of 6 tensors: qkv/proj/fc1/fc2 and layernorms), then times, alternately and each as a
+whole fresh process, from launch to exit, as a user waits for it (peak RSS from ``wait4``):
 
 - ours: ``python -m gradstat norm DIR --json`` (its total is checked against the float64 norm
   computed while writing);
@@ -20,7 +20,8 @@ checkpoint in memory; gradstat about one chunk at a time).
 
 Usage::
 
-    python benchmarks/bench_checkpoint.py [--gib 1] [--files 4] [--repeats 5] [--dir PATH]
+    python benchmarks/bench_checkpoint.py [--gib 1] [--files 4] [--layers 8] [--repeats 5]
+        [--dir PATH]
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ print(total)
 """
 
 
-def write_checkpoint(directory: Path, gib: float, files: int) -> float:
+def write_checkpoint(directory: Path, gib: float, files: int, layers: int = 8) -> float:
     """Write the checkpoint (seeded); return the float64 L2 norm of every weight."""
     import warnings
 
@@ -65,7 +66,7 @@ def write_checkpoint(directory: Path, gib: float, files: int) -> float:
     import torch.distributed.checkpoint as dcp
 
     warnings.filterwarnings("ignore")  # dcp.save without a process group says so
-    hidden, vocab, layers = _geometry(gib, 1, 1)
+    hidden, vocab, layers = _geometry(gib, 1, 1, layers)
     generator = torch.Generator().manual_seed(0)
     squares = 0.0
     weights: dict[str, torch.Tensor] = {}
@@ -96,6 +97,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--files", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=8, help="about this many layers")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", type=Path, default=None, help="write the checkpoint under here")
     parser.add_argument("--write", type=Path, help=argparse.SUPPRESS)
@@ -103,7 +105,7 @@ def main() -> int:
     if args.write:
         import torch
 
-        expected = write_checkpoint(args.write, args.gib, args.files)
+        expected = write_checkpoint(args.write, args.gib, args.files, args.layers)
         threads = torch.get_num_threads()
         print(json.dumps({"expected": expected, "torch": torch.__version__, "threads": threads}))
         return 0
@@ -112,7 +114,7 @@ def main() -> int:
         checkpoint = root / "step-100"
         checkpoint.mkdir()
         writer = [sys.executable, __file__, "--write", str(checkpoint), "--gib", str(args.gib)]
-        writer += ["--files", str(args.files)]
+        writer += ["--files", str(args.files), "--layers", str(args.layers)]
         print(f"writing {args.gib} GiB in {args.files} data files to {checkpoint}", file=sys.stderr)
         written = json.loads(subprocess.run(writer, check=True, stdout=subprocess.PIPE).stdout)
         sizes = [path.stat().st_size for path in checkpoint.glob("*.distcp")]

@@ -64,13 +64,14 @@ print(total)
 """
 
 
-def _geometry(gib: float, tp: int, pp: int) -> tuple[int, int, int]:
+def _geometry(gib: float, tp: int, pp: int, layers: int = 8) -> tuple[int, int, int]:
     """(hidden, vocab, layers) of a GPT whose fp32 gradients total about ``gib`` GiB: vocab
-    16 x hidden, about 8 layers (a multiple of ``pp``), hidden a multiple of 64 x ``tp``."""
+    16 x hidden, about ``layers`` layers (a multiple of ``pp``), hidden a multiple of 64 x
+    ``tp``."""
     elements = gib * (1 << 30) / 4
     # Per layer 12 h^2 (qkv 3h^2, proj h^2, fc1 and fc2 4h^2 each), embedding + output 32 h^2.
     step = 64 * tp
-    hidden = max(step, round(math.sqrt(elements / (32 + 12 * 8)) / step) * step)
+    hidden = max(step, round(math.sqrt(elements / (32 + 12 * layers)) / step) * step)
     layers = max(pp, round((elements - 32 * hidden**2) / (12 * hidden**2) / pp) * pp)
     return hidden, 16 * hidden, layers
 
