@@ -200,6 +200,10 @@ def _two_ranks(directory: Path, **overrides: Any) -> None:
         ({"world_size": 3, "rank": 2, "coords": {"tp": [1, 3]}}, "world size 3 differs from 2"),
         ({"coords": {"tp": [0, 2]}}, "same coordinates as rank 0"),
         ({"distributed_optimizer": True}, "distributed_optimizer True differs"),
+        (
+            {"coords": {"tp": [1, 2], "dp": [0, 2]}},
+            r"axis dp has size 2, but 1 in rank-00000\.safetensors",
+        ),
     ],
 )
 def test_inconsistent_rank_files_are_rejected(

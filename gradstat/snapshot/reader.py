@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import itertools
 import math
+import operator
 import os
 import stat
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -556,32 +557,37 @@ def _check_places(first: RankFile | FileSummary, world_size: int) -> None:
             )
 
 
+# What every rank file of a snapshot agrees on, with the words that name a difference.
+_AGREED_FIELDS = (
+    ("version", "format version"),
+    ("world_size", "world size"),
+    ("step", "step"),
+    ("distributed_optimizer", "distributed_optimizer"),
+)
+
+
+_agreed_values = operator.attrgetter(*(key for key, _ in _AGREED_FIELDS))
+
+
 def _agreed(header: RankHeader) -> tuple[Any, ...]:
-    """What every rank file of a snapshot agrees on, as :func:`_check_whole` checks it."""
-    sizes = tuple(header.coords[axis][1] for axis in AXES)
-    return header.version, header.world_size, header.step, header.distributed_optimizer, sizes
+    """The values of ``_AGREED_FIELDS``, then the axis sizes in ``AXES`` order."""
+    return *_agreed_values(header), tuple(header.coords[axis][1] for axis in AXES)
 
 
 def _check_whole(folder: Path, files: Sequence[RankFile | FileSummary]) -> None:
     first = files[0]
     agreed = _agreed(first.header)
     for file in files[1:]:
-        if _agreed(file.header) == agreed:
+        mine = _agreed(file.header)
+        if mine == agreed:
             continue  # the common case, in one comparison; else the first difference is named
-        for key, label in (
-            ("version", "format version"),
-            ("world_size", "world size"),
-            ("step", "step"),
-            ("distributed_optimizer", "distributed_optimizer"),
-        ):
-            mine, theirs = getattr(file.header, key), getattr(first.header, key)
-            if mine != theirs:
+        for (_, label), value, theirs in zip(_AGREED_FIELDS, mine[:-1], agreed[:-1], strict=True):
+            if value != theirs:
                 raise SnapshotError(
-                    f"{file.path}: {label} {mine} differs from {theirs} in {first.path.name} "
+                    f"{file.path}: {label} {value} differs from {theirs} in {first.path.name} "
                     f"(a rank file from another snapshot?)"
                 )
-        for axis in AXES:
-            mine_size, first_size = file.header.coords[axis][1], first.header.coords[axis][1]
+        for axis, mine_size, first_size in zip(AXES, mine[-1], agreed[-1], strict=True):
             if mine_size != first_size:
                 raise SnapshotError(
                     f"{file.path}: axis {axis} has size {mine_size}, but {first_size} in "
