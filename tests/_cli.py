@@ -9,11 +9,14 @@ here: the caller asserts on the exit status, stdout and stderr.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import re
 import select
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -41,9 +44,10 @@ def run_gradstat(
 ) -> subprocess.CompletedProcess[str]:
     """Run gradstat with ``args`` in a fresh process and return what it did.
 
-    A plain ``python -m gradstat`` (no torchrun, script, directory or environment of its own)
-    is forked from :class:`_ForkServer`, which has imported torch once; anything else, and every
-    run when ``GRADSTAT_TEST_FORK=0``, starts a new interpreter.
+    A plain ``python -m gradstat``, or torchrun's launcher and each of its workers (no script,
+    directory or environment of their own), are forked from :class:`_ForkServer`, which has
+    imported torch once; anything else, and every run when ``GRADSTAT_TEST_FORK=0``, starts new
+    interpreters.
 
     Args:
         args: the command line after ``gradstat``.
@@ -55,11 +59,13 @@ def run_gradstat(
         timeout: seconds before the run is killed (``subprocess.TimeoutExpired``).
     """
     words = list(map(str, args))
+    if nproc is not None and not script and cwd is None and not env:
+        return run_torchrun(nproc, "-m", "gradstat", *words, launcher=launcher, timeout=timeout)
     if nproc is None and not script and cwd is None and not env and _ForkServer.serves():
-        return _ForkServer.run(words, timeout)
+        return _ForkServer.run("gradstat", words, timeout)
     if nproc is not None:
-        start = [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={nproc}", *launcher]
-        command = [*start, "-m", "gradstat"]
+        start = ["--standalone", f"--nproc-per-node={nproc}", *launcher]
+        command = [str(BIN / "torchrun"), *start, "-m", "gradstat"]
     elif script:
         command = [str(BIN / "gradstat")]
     else:
@@ -75,30 +81,47 @@ def run_gradstat(
     )
 
 
-class _ForkServer:
-    """``python -m gradstat`` forked from one process that imported torch (tests/_forkserver.py).
+def run_torchrun(
+    nproc: int, *worker: str, launcher: Sequence[str] = (), timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """``torchrun --standalone --nproc-per-node NPROC [LAUNCHER] WORKER`` in this directory and
+    environment, ``WORKER`` being ``-m MODULE ARGS`` or ``SCRIPT ARGS``.
 
-    A fresh interpreter spends 1.1 of its 1.2 s here on ``import torch``, and the suite runs the
-    CLI hundreds of times. The server is started at the first run and serves the session, with
-    the environment :func:`pin_fork_server_environment` took (conftest.py pins it before any
-    test can change it; else the one at the first run). The child of each run has the
-    environment of this process at the time of the call. Where that differs from the server's
-    in anything that is read at import (every variable but ``_VOLATILE``), the run is a new
-    interpreter instead.
+    The launcher and each worker are forked from :class:`_ForkServer` where it serves (each
+    worker through tests/_fork_client.py, which stands in for it); else all are new
+    interpreters.
+    """
+    start = ["--standalone", f"--nproc-per-node={nproc}", *launcher]
+    if _ForkServer.serves():
+        client = str(ROOT / "tests" / "_fork_client.py")
+        return _ForkServer.run("torch.distributed.run", [*start, client, *worker], timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", *start, *worker],
+        env=dict(os.environ),  # not the C library's: readline sets COLUMNS there
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+class _ForkServer:
+    """Processes forked from one process that imported torch (tests/_forkserver.py).
+
+    A fresh interpreter spends 1.1 of its 1.2 s here on ``import torch`` (3 of 3.3 s on a slow
+    day), and the suite starts hundreds: ``python -m gradstat`` runs, and torchrun's launcher
+    and workers. The server is started at the first run and serves the session, with the
+    environment :func:`pin_fork_server_environment` took (conftest.py pins it before any test
+    can change it; else the one at the first run). The process of each run has the environment
+    of this process at the time of the call. Where that differs from the server's in anything
+    that is read at import (every variable but ``_VOLATILE``), the run is a new interpreter
+    instead.
     """
 
     _process: subprocess.Popen[bytes] | None = None
-    _requests: Any = None
-    _replies: Any = None
+    _socket: ClassVar[str] = ""
     _pinned: ClassVar[dict[str, str] | None] = None  # the server's whole environment
     _environ: ClassVar[dict[str, str]] = {}  # what of it a run's must equal
-    # pytest's own, and what libraries set in this process to the defaults a fresh process
-    # would find anyway (torch's inductor names its cache once it is imported).
-    _VOLATILE = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
-
-    @classmethod
-    def _comparable(cls, environ: Mapping[str, str]) -> dict[str, str]:
-        return {key: value for key, value in environ.items() if key not in cls._VOLATILE}
 
     @classmethod
     def serves(cls) -> bool:
@@ -106,70 +129,101 @@ class _ForkServer:
             return False
         if cls._process is None or cls._process.poll() is not None:
             cls._start()
-        return cls._comparable(os.environ) == cls._environ
+        return _forkserver_comparable(os.environ) == cls._environ
 
     @classmethod
     def _start(cls) -> None:
         if cls._pinned is None:
             cls._pinned = dict(os.environ)
-        cls._environ = cls._comparable(cls._pinned)
-        request_read, request_write = os.pipe()
-        reply_read, reply_write = os.pipe()
+        cls._environ = _forkserver_comparable(cls._pinned)
+        folder = tempfile.mkdtemp(prefix="gradstat-fork-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        cls._socket = str(Path(folder) / "socket")
         cls._process = subprocess.Popen(
-            [
-                sys.executable,
-                str(ROOT / "tests" / "_forkserver.py"),
-                str(request_read),
-                str(reply_write),
-            ],
-            pass_fds=(request_read, reply_write),
+            [sys.executable, str(ROOT / "tests" / "_forkserver.py"), cls._socket],
             stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
             cwd=ROOT,
             env=cls._pinned,
         )
-        os.close(request_read)
-        os.close(reply_write)
-        cls._requests = os.fdopen(request_write, "w")
-        cls._replies = os.fdopen(reply_read, "r")
-        atexit.register(cls._requests.close)
-        atexit.register(cls._replies.close)
+        atexit.register(cls._stop, cls._process)
+        deadline = time.monotonic() + 300
+        while not os.path.exists(cls._socket):  # it listens once its imports are done
+            if cls._process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the CLI fork server (tests/_forkserver.py) did not start")
+            time.sleep(0.02)
+
+    @staticmethod
+    def _stop(process: subprocess.Popen[bytes]) -> None:
+        process.kill()
+        process.wait()
 
     @classmethod
-    def _reply(cls, deadline: float) -> dict[str, Any]:
-        ready, _, _ = select.select([cls._replies], [], [], max(0.0, deadline - time.monotonic()))
-        line = cls._replies.readline() if ready else ""
-        if not line:
-            raise _NoReply
+    def run(cls, module: str, args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+        """``python -m MODULE ARGS`` forked from the server, its workers too for torchrun."""
+        shown = [sys.executable, "-m", module, *args]
+        request = {
+            "module": module,
+            "args": args,
+            "environ": {**os.environ, _SOCKET_VARIABLE: cls._socket},
+            "cwd": os.getcwd(),
+            "unbuffered": False,
+            "group": True,
+        }
+        with tempfile.TemporaryDirectory() as scratch, socket.socket(socket.AF_UNIX) as server:
+            out, err = Path(scratch, "stdout"), Path(scratch, "stderr")
+            server.connect(cls._socket)
+            files = [open(os.devnull, "rb"), out.open("wb"), err.open("wb")]  # noqa: SIM115
+            try:
+                line = (json.dumps(request) + "\n").encode()
+                socket.send_fds(server, [line], [file.fileno() for file in files])
+            finally:
+                for file in files:
+                    file.close()
+            replies, deadline = _Replies(server), time.monotonic() + timeout
+            started = replies.next(deadline)
+            if "refused" in started:  # serves() found the environment the server's
+                raise RuntimeError(f"the CLI fork server refused {shown}: {started['refused']}")
+            pid = started["pid"]
+            try:
+                status = replies.next(deadline)["status"]
+            except _NoReply:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)  # the launcher's workers with it
+                raise subprocess.TimeoutExpired(shown, timeout) from None
+            stdout_text, stderr_text = out.read_text(), err.read_text()  # as subprocess decodes
+        return subprocess.CompletedProcess(shown, status, stdout_text, stderr_text)
+
+
+_SOCKET_VARIABLE = "GRADSTAT_TEST_FORK_SOCKET"
+
+
+def _forkserver_comparable(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` without what a run may differ in from the fork server's (pytest's own, and
+    what libraries set in this process to the defaults a fresh process would find anyway)."""
+    return {key: value for key, value in environ.items() if key not in _VOLATILE}
+
+
+_VOLATILE = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", _SOCKET_VARIABLE)
+
+
+class _Replies:
+    """The server's reply lines on one connection, each awaited until a deadline."""
+
+    def __init__(self, server: socket.socket) -> None:
+        self._server, self._pending = server, b""
+
+    def next(self, deadline: float) -> dict[str, Any]:
+        while b"\n" not in self._pending:
+            timeout = max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select([self._server], [], [], timeout)
+            more = self._server.recv(1 << 16) if ready else b""
+            if not more:
+                raise _NoReply
+            self._pending += more
+        line, self._pending = self._pending.split(b"\n", 1)
         reply: dict[str, Any] = json.loads(line)
         return reply
-
-    @classmethod
-    def run(cls, args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
-        with tempfile.TemporaryDirectory() as scratch:
-            out, err = Path(scratch, "stdout"), Path(scratch, "stderr")
-            out.touch()
-            err.touch()
-            request = {
-                "args": args,
-                "environ": dict(os.environ),
-                "stdout": str(out),
-                "stderr": str(err),
-            }
-            cls._requests.write(json.dumps(request) + "\n")
-            cls._requests.flush()
-            deadline = time.monotonic() + timeout
-            pid = cls._reply(deadline)["pid"]
-            try:
-                status = cls._reply(deadline)["status"]
-            except _NoReply:
-                os.kill(pid, signal.SIGKILL)
-                cls._reply(time.monotonic() + 60)
-                command = [sys.executable, "-m", "gradstat", *args]
-                raise subprocess.TimeoutExpired(command, timeout) from None
-            stdout, stderr = out.read_text(), err.read_text()  # as subprocess decodes
-        return subprocess.CompletedProcess(
-            [sys.executable, "-m", "gradstat", *args], status, stdout, stderr
-        )
 
 
 def pin_fork_server_environment() -> None:

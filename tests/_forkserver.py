@@ -1,59 +1,198 @@
-"""``python -m gradstat`` without paying ``import torch`` each time: tests/_cli.py's fork server.
+"""Python processes without paying ``import torch`` each time: tests/_cli.py's fork server.
 
-Run as ``python tests/_forkserver.py REQUEST_FD REPLY_FD``. It imports what every gradstat
-command imports (torch is nearly all of a command's start on a small machine: 1.1 of 1.2 s),
-then for each request forks, and the child becomes ``python -m gradstat ARGS`` from there on:
-its own stdout, stderr and stdin (/dev/null), ``sys.argv``, ``sys.path[0]`` and environment as
-the fresh interpreter would have them, the module run as ``__main__`` at the top level, so an
-uncaught exception, ``SystemExit``, atexit handlers and the interpreter's shutdown are the ones a
-fresh process has. A DataLoader's workers are forked from a process that has imported torch in
-the same way.
+Run as ``python tests/_forkserver.py SOCKET``. It imports what every gradstat command and the
+torchrun launcher import (torch is nearly all of a process's start on a small machine: 1.1 of
+1.2 s, and 3 of 3.3 s on a slow day), then listens on the Unix socket ``SOCKET``. Each
+connection asks for one process: ``python -m MODULE ARGS`` (``gradstat``, or
+``torch.distributed.run``: torchrun's launcher) or ``python SCRIPT ARGS``, with the caller's
+stdin, stdout and stderr (passed over the socket), environment and working directory. The server
+forks a handler for it, which forks the process and reports on it, so that a launcher and its
+workers run at once. From the fork on, the process is what the fresh interpreter would be: its
+own descriptors, ``sys.argv``, ``sys.path[0]``, environment and working directory, the module run
+as ``__main__`` at the top level, so that an uncaught exception, ``SystemExit``, atexit handlers
+and the interpreter's shutdown are the ones a fresh process has. (A DataLoader's workers are
+forked from a process that has imported torch in the same way.)
 
-A request is one JSON line ``{"args", "environ", "stdout", "stderr"}`` (the two are file paths);
-the server answers ``{"pid"}`` once the child runs and ``{"status"}`` (the exit code as
-``subprocess`` gives it: minus the signal that killed it) when it is gone.
+A request is one JSON line, ``{"module" | "script", "args", "environ", "cwd", "unbuffered"}``,
+sent with the three descriptors. The handler answers ``{"pid"}`` once the process runs (or
+``{"refused"}``, see below) and ``{"status"}`` (the exit code as ``subprocess`` gives it: minus
+the signal that killed it) when it is gone; a caller that hangs up before then has the process
+killed. torchrun's workers start through tests/_fork_client.py, which forwards the launcher's
+signals to the process it stands for.
+
+The environment is read at import in places (torch reads ``OMP_NUM_THREADS`` as it loads), so
+a request whose environment differs from the server's is refused, except for what torchrun sets
+for its workers: their thread count is set as torch would have set it from the variable.
 """
 
 from __future__ import annotations
 
 import importlib
+import io
 import json
 import os
 import runpy
+import select
+import signal
+import socket
 import sys
 from typing import Any
 
-# What every command imports; about all of its start.
-for _module in ("torch", "torch.distributed", "safetensors.torch", "gradstat.cli.app"):
+# What every command and torchrun's launcher import; about all of their start.
+for _module in (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.launcher.api",
+    "torch.distributed.elastic.multiprocessing.errors",
+    "safetensors.torch",
+    "gradstat.cli.app",
+):
     importlib.import_module(_module)
 
+import torch  # noqa: E402 (imported above, named here)
 
-def _serve(requests: int, replies: int) -> dict[str, Any]:
-    """Answer requests until the pipe closes; return (in a child only) the request to run."""
-    incoming = os.fdopen(requests, "r")
-    for line in incoming:
-        request = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            incoming.close()
-            os.close(replies)
-            return request
-        os.write(replies, (json.dumps({"pid": pid}) + "\n").encode())
-        _, wait_status = os.waitpid(pid, 0)
-        status = os.waitstatus_to_exitcode(wait_status)
-        os.write(replies, (json.dumps({"status": status}) + "\n").encode())
-    os._exit(0)
+# What torchrun sets in its workers' environment, none of it read at import but the thread
+# count (applied in the process). "_" is the shell's, which a launcher's children may differ in.
+LAUNCHER_VARIABLES = frozenset(
+    (
+        "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "OMP_NUM_THREADS",
+        "RANK",
+        "ROLE_NAME",
+        "ROLE_RANK",
+        "ROLE_WORLD_SIZE",
+        "TORCHELASTIC_ERROR_FILE",
+        "TORCHELASTIC_MAX_RESTARTS",
+        "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_RUN_ID",
+        "TORCHELASTIC_SIGNALS_TO_HANDLE",
+        "TORCHELASTIC_USE_AGENT_STORE",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+        "WORLD_SIZE",
+        "_",
+    )
+)
+# pytest's own, and what libraries set in a process to the defaults a fresh one would find.
+# The server's socket, which torchrun's workers find here.
+VOLATILE = frozenset(
+    ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "GRADSTAT_TEST_FORK_SOCKET")
+)
 
 
-_request = _serve(int(sys.argv[1]), int(sys.argv[2]))
-# The child, from here on python -m gradstat.
-for _fd, _target in ((0, os.devnull), (1, _request["stdout"]), (2, _request["stderr"])):
-    _opened = os.open(str(_target), os.O_RDONLY if _fd == 0 else os.O_WRONLY | os.O_TRUNC)
-    os.dup2(_opened, _fd)
-    os.close(_opened)
-os.environ.clear()
-os.environ.update(_request["environ"])
-sys.argv = ["-m", *_request["args"]]
-sys.path[0] = os.getcwd()
-del _fd, _target, _opened, _request, _module
-runpy.run_module("gradstat", run_name="__main__", alter_sys=True)
+def comparable(environ: dict[str, str], also: frozenset[str] = frozenset()) -> dict[str, str]:
+    """``environ`` without what a run may differ in from the server's."""
+    return {key: value for key, value in environ.items() if key not in VOLATILE | also}
+
+
+def _message(connection: socket.socket, document: dict[str, Any]) -> None:
+    connection.sendall((json.dumps(document) + "\n").encode())
+
+
+def _request(connection: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    """The request line and the three descriptors sent with it."""
+    data, descriptors, _, _ = socket.recv_fds(connection, 1 << 20, 3)
+    while not data.endswith(b"\n"):
+        more = connection.recv(1 << 20)
+        if not more:
+            raise EOFError("the caller hung up mid-request")
+        data += more
+    return json.loads(data), descriptors
+
+
+def _handle(connection: socket.socket, server_environ: dict[str, str]) -> dict[str, Any] | None:
+    """Run one request: return it (in the forked process), or None once the process is gone."""
+    request, descriptors = _request(connection)
+    launched = "RANK" in request["environ"] and "TORCHELASTIC_RUN_ID" in request["environ"]
+    also = LAUNCHER_VARIABLES if launched else frozenset()
+    mine, theirs = comparable(server_environ, also), comparable(request["environ"], also)
+    if theirs != mine:
+        differing = sorted(
+            key for key in mine.keys() | theirs.keys() if mine.get(key) != theirs.get(key)
+        )
+        _message(connection, {"refused": f"the environment differs in {', '.join(differing)}"})
+        return None
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    pid = os.fork()
+    if pid == 0:
+        connection.close()
+        if request.get("group"):  # a launcher: its workers are killed with it on a timeout
+            os.setpgid(0, 0)
+        for target, descriptor in enumerate(descriptors):
+            os.dup2(descriptor, target)
+            os.close(descriptor)
+        return request
+    for descriptor in descriptors:
+        os.close(descriptor)
+    _message(connection, {"pid": pid})
+    watch = os.pidfd_open(pid)
+    while True:
+        ready, _, _ = select.select([watch, connection], [], [])
+        if watch in ready:
+            break
+        if not connection.recv(1 << 16):  # the caller is gone: so must the process be
+            os.kill(pid, signal.SIGKILL)
+            break
+    os.close(watch)
+    _, wait_status = os.waitpid(pid, 0)
+    _message(connection, {"status": os.waitstatus_to_exitcode(wait_status)})
+    return None
+
+
+def _serve(path: str) -> dict[str, Any]:
+    """Answer connections until the parent goes; return (in a forked process) its request."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    server_environ = dict(os.environ)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # handlers are reaped as they end
+    parent = os.getppid()
+    while True:
+        ready, _, _ = select.select([listener], [], [], 1.0)
+        if os.getppid() != parent:  # pytest is gone
+            os._exit(0)
+        if not ready:
+            continue
+        connection, _ = listener.accept()
+        if os.fork() != 0:
+            connection.close()
+            continue
+        listener.close()
+        try:
+            request = _handle(connection, server_environ)
+        except Exception:  # a caller that hung up: nothing to answer
+            os._exit(1)
+        if request is None:
+            os._exit(0)
+        return request
+
+
+def _become(request: dict[str, Any]) -> None:
+    """Turn this forked process into ``python [-u] (-m MODULE | SCRIPT) ARGS``."""
+    os.environ.clear()
+    os.environ.update(request["environ"])
+    os.chdir(request["cwd"])
+    threads = request["environ"].get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and 0 < int(threads) != torch.get_num_threads():
+        torch.set_num_threads(int(threads))  # as torch does from the variable as it loads
+    if request["unbuffered"]:  # python -u, as torchrun starts its workers
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+        sys.stderr = io.TextIOWrapper(
+            io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace"
+        )
+    if "module" in request:
+        sys.argv = ["-m", *request["args"]]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+    else:
+        script = request["script"]
+        sys.argv = [script, *request["args"]]
+        sys.path[0] = os.path.dirname(os.path.abspath(script))
+        runpy.run_path(script, run_name="__main__")
+
+
+_become(_serve(sys.argv[1]))

@@ -5,8 +5,8 @@ into a cache that outlives a run (``~/.cache/gradstat``); the suite builds its o
 directory instead, so a library left by another checkout, another compiler or an interrupted
 build never stands in for the one this source makes. Subprocesses (the CLI, torchrun, spawned
 ranks) inherit the setting. Spawned ranks start from a fork server that has imported torch and,
-where it is installed, Megatron (tests/_rank_preload.py); the CLI's runs from one that has
-imported torch (tests/_forkserver.py).
+where it is installed, Megatron (tests/_rank_preload.py); the CLI's runs, and torchrun's
+launcher and workers, from one that has imported torch (tests/_forkserver.py).
 
 Markers (registered in pyproject.toml): ``multiprocess`` for tests that spawn gloo ranks or run
 torchrun, ``slow`` for tests that take more than a few seconds; ``-m "not slow"`` is the quick

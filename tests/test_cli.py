@@ -299,3 +299,60 @@ def test_a_forked_run_is_what_a_fresh_interpreter_does(
         fresh.stderr,
     )
     assert forked.stdout or forked.stderr
+
+
+def _gradstat_lines(stderr: str) -> list[str]:
+    """gradstat's own lines (torchrun's launcher stamps its lines with times and pids)."""
+    return [line for line in stderr.splitlines() if line.startswith(("gradstat:", "gradstat["))]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["norm", str(SAMPLE_DATA / "tp2-pp2-dp2-ep2-distopt-nan"), "--json"],
+        ["zeros", str(SAMPLE_DATA / "gtp2-pp2-dp2-ep2")],
+        ["norm", "/nonexistent"],
+    ],
+    ids=["json, exit 1", "table", "exit 2"],
+)
+def test_a_forked_torchrun_is_what_a_fresh_one_does(
+    args: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under torchrun, the launcher and its workers forked from the server (tests/_cli.py)
+    exit, print and say what torchrun's fresh interpreters do."""
+    forked = run_gradstat(*args, nproc=3)
+    monkeypatch.setenv("GRADSTAT_TEST_FORK", "0")
+    fresh = run_gradstat(*args, nproc=3)
+    assert (forked.returncode, forked.stdout) == (fresh.returncode, fresh.stdout), forked.stderr
+    assert _gradstat_lines(forked.stderr) == _gradstat_lines(fresh.stderr)
+    assert forked.stdout or _gradstat_lines(forked.stderr)
+
+
+# A torchrun worker that says whether torch was imported before it started (then it was forked)
+# and what a fresh interpreter's start would have set: its thread count and unbuffered output.
+_WORKER = """
+import os, sys
+started_with = sorted(name for name in ("torch", "gradstat.cli.app") if name in sys.modules)
+import torch
+print(os.environ["RANK"], started_with, torch.get_num_threads(), sys.stdout.write_through)
+"""
+
+
+@pytest.mark.multiprocess
+def test_torchruns_workers_are_forked_with_what_a_fresh_start_sets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The negative control of the test above: the workers were forked, not refused and started
+    afresh (torchrun sets variables of its own in their environment), with torch's thread count
+    taken from OMP_NUM_THREADS, as torch takes it when it loads, and python -u's streams."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(_WORKER)
+    lines = sorted(_cli.run_torchrun(2, str(worker)).stdout.splitlines())
+    assert lines == [
+        "0 ['gradstat.cli.app', 'torch'] 1 True",
+        "1 ['gradstat.cli.app', 'torch'] 1 True",
+    ]
+    monkeypatch.setenv("GRADSTAT_TEST_FORK", "0")
+    lines = sorted(_cli.run_torchrun(2, str(worker)).stdout.splitlines())
+    assert lines == ["0 [] 1 True", "1 [] 1 True"]

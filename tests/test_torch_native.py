@@ -9,8 +9,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +19,7 @@ from typer.testing import CliRunner
 from gradstat.cli import app
 from gradstat.testing import Case, LaunchReport, launch
 from tests import _torch_native as native
-from tests._cli import recipe
+from tests._cli import recipe, run_gradstat
 from tests._oracle import rel_err
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
@@ -252,17 +250,8 @@ def test_compare_names_a_changed_shard_of_a_real_dtensor_snapshot(
 
 def test_under_torchrun_the_numbers_are_the_same(jobs: tuple[LaunchReport, Path]) -> None:
     _, root = jobs
-    command = ["-m", "gradstat", "norm", str(root / "tp_fsdp2"), "--top", "1000", "--json"]
-    alone = subprocess.run(
-        [sys.executable, *command], capture_output=True, text=True, timeout=240, check=False
-    )
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    launched = subprocess.run(
-        [sys.executable, *launcher, *command],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
+    command = ["norm", str(root / "tp_fsdp2"), "--top", "1000", "--json"]
+    alone = run_gradstat(*command, timeout=240)
+    launched = run_gradstat(*command, nproc=2, timeout=240)
     assert alone.returncode == launched.returncode == 0, launched.stderr[-2000:]
     assert launched.stdout == alone.stdout

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests._cli import run_gradstat, run_torchrun
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -16,13 +17,8 @@ SAMPLES = Path(__file__).resolve().parent.parent / "sample_data"
 
 
 def _run(*args: str, processes: int | None = None) -> subprocess.CompletedProcess[str]:
-    launcher = (
-        []
-        if processes is None
-        else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"]
-    )
-    command = [sys.executable, *launcher, "-m", "gradstat", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=240, check=False)
+    """``python -m gradstat ARGS``, or under torchrun with ``processes`` processes."""
+    return run_gradstat(*args, nproc=processes, timeout=240)
 
 
 @pytest.mark.parametrize(
@@ -134,16 +130,7 @@ def _run_each(
     starter = tmp_path / "starter.py"
     starter.write_text(STARTER)
     plan = json.dumps([[str(cwd), arguments] for cwd, arguments in per_rank])
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={len(per_rank)}",
-        str(starter),
-        plan,
-    ]
-    return subprocess.run(command, capture_output=True, text=True, timeout=240, check=False)
+    return run_torchrun(len(per_rank), str(starter), plan, timeout=240)
 
 
 def _error_lines(stderr: str) -> list[str]:

@@ -31,13 +31,13 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from gradstat._cached import cached
 from gradstat.analysis.stats import Request, counts, tensor_piece
 from gradstat.core import native
 from gradstat.core.groups import AxisPlace, stats_device, to_local
@@ -101,7 +101,7 @@ class _LiveRank:
     def rank(self) -> int:
         return self.header.rank
 
-    @cached_property
+    @cached
     def filter_places(self) -> tuple[AxisPlace, AxisPlace, AxisPlace, AxisPlace]:
         return filter_places_of(self.header.coords)
 

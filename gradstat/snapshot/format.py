@@ -27,12 +27,12 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from gradstat._cached import cached
 from gradstat.core.axes import AXES
 from gradstat.core.placements import MeshPlacement, valid_code
 from gradstat.errors import SnapshotError
@@ -211,7 +211,7 @@ class ParamRecord:
     def attr(self, key: str) -> Any:
         return self.attrs.get(key, ATTRIBUTE_DEFAULTS[key])
 
-    @cached_property
+    @cached
     def plain_attrs(self) -> dict[str, Any]:
         """The attributes a parameter rebuilt from this record carries: each of PLAIN_ATTRS,
         its default where the record has none; one that is None is left out (absent)."""
@@ -228,11 +228,11 @@ class ParamRecord:
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @cached_property
+    @cached
     def is_expert(self) -> bool:
         return not self.attr("allreduce")
 
-    @cached_property
+    @cached
     def extent(self) -> int:
         """The most elements any of its shapes spans (shape, param_shape, fragment_shape), a
         size of 0 taken as 1: how far from torch's 64-bit limit its shards side by side are."""

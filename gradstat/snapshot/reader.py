@@ -11,12 +11,12 @@ import stat
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field, replace
-from functools import cached_property
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from gradstat._cached import cached
 from gradstat.core.axes import AXES, DENSE_AXES, EXPERT_AXES, Axis
 from gradstat.core.groups import AxisPlace
 from gradstat.errors import SnapshotError
@@ -148,11 +148,11 @@ class RankFile:
         """This rank's place on ``axis``, as the duplicate filters take it."""
         return self._places[axis]
 
-    @cached_property
+    @cached
     def _places(self) -> dict[str, AxisPlace]:
         return {axis: AxisPlace(*place) for axis, place in self.header.coords.items()}
 
-    @cached_property
+    @cached
     def filter_places(self) -> tuple[AxisPlace, AxisPlace, AxisPlace, AxisPlace]:
         """This rank's TP, ETP, GTP and EGTP places, as the duplicate filters take them."""
         return filter_places_of(self.header.coords)
