@@ -321,9 +321,9 @@ def test_a_forked_torchrun_is_what_a_fresh_one_does(
 ) -> None:
     """Under torchrun, the launcher and its workers forked from the server (tests/_cli.py)
     exit, print and say what torchrun's fresh interpreters do."""
-    forked = run_gradstat(*args, nproc=3)
+    forked = run_gradstat(*args, nproc=2)
     monkeypatch.setenv("GRADSTAT_TEST_FORK", "0")
-    fresh = run_gradstat(*args, nproc=3)
+    fresh = run_gradstat(*args, nproc=2)
     assert (forked.returncode, forked.stdout) == (fresh.returncode, fresh.stdout), forked.stderr
     assert _gradstat_lines(forked.stderr) == _gradstat_lines(fresh.stderr)
     assert forked.stdout or _gradstat_lines(forked.stderr)

@@ -123,8 +123,15 @@ TORCH_SIZE_LIMIT = 2**63 - 1
 
 def are_sizes(values: Sequence[Any], minimum: int = 0) -> bool:
     """Whether ``values`` are all integers >= ``minimum`` (true and false are not integers
-    here, though Python's bool is an int)."""
-    return set(map(type, values)) <= {int} and min(values, default=minimum) >= minimum
+    here, though Python's bool is an int).
+
+    A loop: a header checks a few sizes per tensor, thousands of times, and this takes 0.34 us
+    for two where ``set(map(type, ...))`` and ``min`` took 2.0.
+    """
+    for value in values:  # noqa: SIM110 (all() over a generator: 0.79 us for two)
+        if type(value) is not int or value < minimum:
+            return False
+    return True
 
 
 def fits_torch(shape: Sequence[int], scale: int = 1) -> bool:
