@@ -25,6 +25,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
+from tests._forkenv import SOCKET_VARIABLE, comparable
+
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_DATA = ROOT / "sample_data"
 README = ROOT / "README.md"
@@ -114,8 +116,8 @@ class _ForkServer:
     environment :func:`pin_fork_server_environment` took (conftest.py pins it before any test
     can change it; else the one at the first run). The process of each run has the environment
     of this process at the time of the call. Where that differs from the server's in anything
-    that is read at import (every variable but ``_VOLATILE``), the run is a new interpreter
-    instead.
+    that is read at import (every variable but ``_forkenv.VOLATILE``), the run is a new
+    interpreter instead.
     """
 
     _process: subprocess.Popen[bytes] | None = None
@@ -129,13 +131,13 @@ class _ForkServer:
             return False
         if cls._process is None or cls._process.poll() is not None:
             cls._start()
-        return _forkserver_comparable(os.environ) == cls._environ
+        return comparable(os.environ) == cls._environ
 
     @classmethod
     def _start(cls) -> None:
         if cls._pinned is None:
             cls._pinned = dict(os.environ)
-        cls._environ = _forkserver_comparable(cls._pinned)
+        cls._environ = comparable(cls._pinned)
         folder = tempfile.mkdtemp(prefix="gradstat-fork-")
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
         cls._socket = str(Path(folder) / "socket")
@@ -165,7 +167,7 @@ class _ForkServer:
         request = {
             "module": module,
             "args": args,
-            "environ": {**os.environ, _SOCKET_VARIABLE: cls._socket},
+            "environ": {**os.environ, SOCKET_VARIABLE: cls._socket},
             "cwd": os.getcwd(),
             "unbuffered": False,
             "group": True,
@@ -193,18 +195,6 @@ class _ForkServer:
                 raise subprocess.TimeoutExpired(shown, timeout) from None
             stdout_text, stderr_text = out.read_text(), err.read_text()  # as subprocess decodes
         return subprocess.CompletedProcess(shown, status, stdout_text, stderr_text)
-
-
-_SOCKET_VARIABLE = "GRADSTAT_TEST_FORK_SOCKET"
-
-
-def _forkserver_comparable(environ: Mapping[str, str]) -> dict[str, str]:
-    """``environ`` without what a run may differ in from the fork server's (pytest's own, and
-    what libraries set in this process to the defaults a fresh process would find anyway)."""
-    return {key: value for key, value in environ.items() if key not in _VOLATILE}
-
-
-_VOLATILE = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", _SOCKET_VARIABLE)
 
 
 class _Replies:

@@ -17,6 +17,8 @@ import signal
 import socket
 import sys
 
+from _forkenv import SOCKET_VARIABLE  # tests/, this script's
+
 # What torchrun's agent sends a worker to stop it (SIGKILL and SIGSTOP cannot be caught: the
 # server kills the process when this one is gone).
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
@@ -36,7 +38,7 @@ def main() -> None:
         "unbuffered": True,
     }
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.connect(os.environ["GRADSTAT_TEST_FORK_SOCKET"])
+    server.connect(os.environ[SOCKET_VARIABLE])
     socket.send_fds(server, [(json.dumps(request) + "\n").encode()], [0, 1, 2])
     replies = server.makefile("r")
     reply = json.loads(replies.readline())

@@ -50,43 +50,7 @@ for _module in (
     importlib.import_module(_module)
 
 import torch  # noqa: E402 (imported above, named here)
-
-# What torchrun sets in its workers' environment, none of it read at import but the thread
-# count (applied in the process). "_" is the shell's, which a launcher's children may differ in.
-LAUNCHER_VARIABLES = frozenset(
-    (
-        "GROUP_RANK",
-        "GROUP_WORLD_SIZE",
-        "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "OMP_NUM_THREADS",
-        "RANK",
-        "ROLE_NAME",
-        "ROLE_RANK",
-        "ROLE_WORLD_SIZE",
-        "TORCHELASTIC_ERROR_FILE",
-        "TORCHELASTIC_MAX_RESTARTS",
-        "TORCHELASTIC_RESTART_COUNT",
-        "TORCHELASTIC_RUN_ID",
-        "TORCHELASTIC_SIGNALS_TO_HANDLE",
-        "TORCHELASTIC_USE_AGENT_STORE",
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-        "WORLD_SIZE",
-        "_",
-    )
-)
-# pytest's own, and what libraries set in a process to the defaults a fresh one would find.
-# The server's socket, which torchrun's workers find here.
-VOLATILE = frozenset(
-    ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "GRADSTAT_TEST_FORK_SOCKET")
-)
-
-
-def comparable(environ: dict[str, str], also: frozenset[str] = frozenset()) -> dict[str, str]:
-    """``environ`` without what a run may differ in from the server's."""
-    return {key: value for key, value in environ.items() if key not in VOLATILE | also}
+from _forkenv import LAUNCHER_VARIABLES, comparable  # noqa: E402 (tests/, this script's)
 
 
 def _message(connection: socket.socket, document: dict[str, Any]) -> None:
