@@ -48,14 +48,9 @@ def main() -> None:
     pid = reply["pid"]
     for number in FORWARDED:
         signal.signal(number, lambda received, _: os.kill(pid, received))
-    line = ""
-    while not line:
-        try:
-            line = replies.readline()
-        except InterruptedError:
-            continue
-        if not line:
-            sys.exit(1)  # the server is gone
+    line = replies.readline()  # a forwarded signal's handler runs, and the read goes on
+    if not line:
+        sys.exit(1)  # the server is gone
     status = json.loads(line)["status"]
     if status < 0:
         signal.signal(-status, signal.SIG_DFL)
