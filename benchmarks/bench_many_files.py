@@ -4,8 +4,12 @@ Writes (once) a seeded fp32 snapshot of ``--files`` rank files, each holding 4 s
 and a one-file snapshot of the same kind. ``--layout tp8`` (the default): TP=8 x PP=files/8,
 every file's tensors count in the norm, and the 8 TP ranks of a stage hold the same parameter
 list (as the ranks of a real job repeat theirs: gradstat checks each distinct list once).
-``--layout distinct``: PP=files, every file's list its own (nothing repeats). Each side runs as
-a whole fresh process, alternately, on both snapshots:
+``--layout distinct``: PP=files, every file's list its own (nothing repeats). The layouts whose
+files hold shards of the same parameters, each file's records its own numbers:
+``--layout distopt``, a distributed optimizer over DP=files (each file a flat fragment of every
+parameter, at its own ``fragment_offset``); ``--layout fsdp2``, FSDP2 over files ranks (each file
+a ``Shard(0)`` DTensor record of every parameter, at its own coordinate and ``global_offset``).
+Each side runs as a whole fresh process, alternately, on both snapshots:
 
 - peer: a Python process that opens each file with ``safetensors.safe_open`` and sums each
   tensor once;
@@ -20,7 +24,7 @@ bytecode, as an installed package has its ``.pyc`` files.
 Usage::
 
     python benchmarks/bench_many_files.py [--files 8192] [--repeats 3] [--dir PATH]
-        [--command norm|zeros|audit] [--nproc N] [--layout tp8|distinct]
+        [--command norm|zeros|audit] [--nproc N] [--layout tp8|distinct|distopt|fsdp2]
 """
 
 from __future__ import annotations
@@ -43,10 +47,12 @@ _SHAPES = ((64, 32), (32,), (128, 16), (16,))
 
 
 def write_snapshot(directory: Path, files: int, layout: str = "tp8") -> None:
-    """``files`` rank files of 4 small fp32 tensors: TP=8 x PP=files/8 (``tp8``), or PP=files
-    (``distinct``)."""
+    """``files`` rank files of 4 small fp32 tensors, laid out as ``layout`` (see above)."""
     from gradstat.snapshot import save_rank
 
+    if layout in ("distopt", "fsdp2"):
+        _write_shards(directory, files, layout)
+        return
     directory.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(0)
     tp_size = _TP if layout == "tp8" else 1
@@ -62,6 +68,40 @@ def write_snapshot(directory: Path, files: int, layout: str = "tp8") -> None:
             params.append((f"layers.{stage}.w{index}", holder))
         coords = {"tp": [tp, min(tp_size, files)], "pp": [stage, stages]}
         save_rank(directory, params, rank=rank, world_size=files, coords=coords)
+
+
+def _write_shards(directory: Path, files: int, layout: str) -> None:
+    """Rank ``r`` holds shard ``r`` of each of the 4 parameters (rows ``r * rows`` on of a
+    ``[files * rows, ...]`` parameter): a distributed optimizer's flat fragment (DP=files), or
+    an FSDP2 ``Shard(0)`` DTensor (the records written as a DTensor's are, without a mesh)."""
+    from gradstat.core.placements import MeshPlacement
+    from gradstat.snapshot.container import write_container
+    from gradstat.snapshot.format import METADATA_KEY, ParamRecord, RankHeader
+    from gradstat.snapshot.writer import check_coords
+
+    directory.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(0)
+    distopt = layout == "distopt"
+    for rank in range(files):
+        records, tensors = [], []
+        for index, shape in enumerate(_SHAPES):
+            name = f"layers.0.w{index}"
+            grad = torch.randn(shape, generator=gen)
+            full = (files * shape[0], *shape[1:])
+            if distopt:
+                grad = grad.flatten()
+                attrs = {"fragment_offset": rank * grad.numel(), "fragment_shape": list(full)}
+                record = ParamRecord(name, True, tuple(grad.shape), "float32", full, attrs)
+            else:
+                offset = (rank * shape[0], *(0 for _ in shape[1:]))
+                mesh = MeshPlacement((files,), (rank,), ("S(0)",), full, ("dp_shard",), offset)
+                record = ParamRecord(name, True, shape, "float32", full, {}, mesh)
+            records.append(record)
+            tensors.append((name, grad))
+        coords = check_coords({"dp": [rank, files]})
+        header = RankHeader(rank, files, None, coords, distopt, "grad", tuple(records))
+        with open(directory / f"rank-{rank:05d}.safetensors", "wb") as file:
+            write_container(file, {METADATA_KEY: header.to_json()}, tensors)
 
 
 def peer(directory: Path) -> float:
@@ -97,7 +137,7 @@ def main() -> int:
     parser.add_argument("--dir", type=Path, default=None, help="keep the snapshots here")
     parser.add_argument("--command", choices=("norm", "zeros", "audit"), default="norm")
     parser.add_argument("--nproc", type=int, default=0, help="run ours under torchrun")
-    parser.add_argument("--layout", choices=("tp8", "distinct"), default="tp8")
+    parser.add_argument("--layout", choices=("tp8", "distinct", "distopt", "fsdp2"), default="tp8")
     parser.add_argument("--peer", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.peer:
@@ -112,7 +152,7 @@ def main() -> int:
     temporary = args.dir is None
     root = Path(tempfile.mkdtemp(prefix="gradstat-bench-")) if temporary else args.dir
     suffix = "" if args.layout == "tp8" else f"-{args.layout}"
-    many, one = root / f"files-{args.files}{suffix}", root / "files-1"
+    many, one = root / f"files-{args.files}{suffix}", root / f"files-1{suffix}"
     try:
         for directory, files in ((many, args.files), (one, 1)):
             if not any(directory.glob("*.safetensors")):

@@ -507,20 +507,18 @@ def _parse_param(path: Path, index: int, entry: Any) -> ParamRecord:
     return record if record is not None else _checked_param(path, index, entry)
 
 
-# The attributes that need no check beyond their type (the others' values are placed).
-_TYPED_ONLY = {
-    key: kind
-    for key, kind in ATTRIBUTE_KINDS.items()
-    if key not in ("gtp_group", "fragment_offset", "fragment_shape")
-}
+# The attributes a plain record may carry, by kind: all but the GTP group (a DTensor's or a
+# GTP shard's record is checked field by field); a fragment's place is checked besides.
+_QUICK_KINDS = {key: kind for key, kind in ATTRIBUTE_KINDS.items() if key != "gtp_group"}
 
 
 def _plain_record(entry: Any) -> ParamRecord | None:
-    """The record of a plain entry (no DTensor, no fragment, no GTP group, each attribute of
-    its own type), checked in a few steps: a rank file lists thousands, and a snapshot whose
-    files do not repeat each other's lists has every one checked. None for any other entry,
-    sound or not, which :func:`_checked_param` reads (and words what is wrong): what this
-    accepts, it accepts as that does, and makes the same record of."""
+    """The record of a plain entry (no DTensor, no GTP group, each attribute of its own type,
+    a distributed-optimizer fragment inside its parameter), checked in a few steps: a rank file
+    lists thousands, and a snapshot whose files do not repeat each other's lists (pipeline
+    stages, fragments) has every one checked. None for any other entry, sound or not, which
+    :func:`_checked_param` reads (and words what is wrong): what this accepts, it accepts as
+    that does, and makes the same record of."""
     if type(entry) is not dict:
         return None
     name, has_grad, dtype = entry.get("name"), entry.get("grad"), entry.get("dtype")
@@ -533,14 +531,32 @@ def _plain_record(entry: Any) -> ParamRecord | None:
         and type(param_shape) is list
         and type(attrs) is dict
         and entry.get("dtensor") is None
-        and all(type(value) is _TYPED_ONLY.get(key) for key, value in attrs.items())
+        and all(type(value) is _QUICK_KINDS.get(key) for key, value in attrs.items())
         and are_sizes(shape)
         and are_sizes(param_shape)
         and fits_torch(shape)
         and fits_torch(param_shape)
     ):
         return None
+    if ("fragment_offset" in attrs or "fragment_shape" in attrs) and not _fits_fragment(
+        attrs, shape
+    ):
+        return None
     return ParamRecord(name, has_grad, tuple(shape), dtype, tuple(param_shape), attrs)
+
+
+def _fits_fragment(attrs: dict[str, Any], shape: list[int]) -> bool:
+    """Whether a plain entry's fragment attributes (each of its kind, ``shape`` sizes) pass
+    :func:`_check_fragment`: both given, a flat fragment within its parameter's shape."""
+    offset, full = attrs.get("fragment_offset"), attrs.get("fragment_shape")
+    return (
+        offset is not None
+        and full is not None
+        and are_sizes(full)
+        and fits_torch(full)
+        and len(shape) == 1
+        and 0 <= offset <= math.prod(full) - shape[0]
+    )
 
 
 def _checked_param(path: Path, index: int, entry: Any) -> ParamRecord:
