@@ -29,10 +29,17 @@ from safetensors import safe_open
 from gradstat.analysis.audit import audit_snapshot
 from gradstat.analysis.compare import compare_snapshots
 from gradstat.analysis.stats import snapshot_stats
+from gradstat.core.placements import MeshPlacement
 from gradstat.distributed.runner import Processes
 from gradstat.errors import GradstatError, SnapshotError
 from gradstat.snapshot import Snapshot, save_rank
-from gradstat.snapshot.format import ATTRIBUTE_KINDS, _checked_param, _plain_record
+from gradstat.snapshot.format import (
+    ATTRIBUTE_KINDS,
+    ParamRecord,
+    _checked_param,
+    _param_to_json,
+    _plain_record,
+)
 from gradstat.snapshot.reader import Repeats, open_rank_file
 
 MUTANTS = 2000
@@ -287,16 +294,67 @@ _FIELD_VALUES: tuple[Any, ...] = (
     {},
     {"a": 1},
     [0, 2**64],
+    ["S(0)"],
+    ["R", "S(1)"],
+    ["S(-1)"],
+    [["pp", 0, 2]],
+    [["pp", 2, 2]],
 )
+
+# The fields of a DTensor record, mutated like the record's own.
+_DTENSOR_KEYS = (
+    "mesh_shape",
+    "coordinate",
+    "placements",
+    "global_shape",
+    "mesh_dim_names",
+    "global_offset",
+    "copies",
+)
+
+
+def _dtensor_entries() -> list[dict[str, Any]]:
+    """DTensor gradients' records as a dump writes them: an FSDP2 shard at its offset, an
+    HSDP x TP shard with a copy outside its mesh, and an older record without the optional
+    fields."""
+    placements = (
+        ((2, 3), MeshPlacement((4,), (1,), ("S(0)",), (8, 3), ("dp_shard",), (2, 0))),
+        (
+            (4, 3),
+            MeshPlacement(
+                (2, 2),
+                (1, 0),
+                ("R", "S(1)"),
+                (4, 6),
+                ("dp_replicate", "tp"),
+                (0, 0),
+                (("pp", 0, 2),),
+            ),
+        ),
+        ((4, 6), MeshPlacement((2,), (0,), ("R",), (4, 6))),
+    )
+    return [
+        json.loads(
+            json.dumps(
+                _param_to_json(
+                    ParamRecord("w", True, shape, "float32", full.global_shape, {}, full)
+                )
+            )
+        )
+        for shape, full in placements
+    ]
 
 
 def _mutated_record(entry: dict[str, Any], rng: random.Random) -> dict[str, Any]:
     mutant = json.loads(json.dumps(entry))
     for _ in range(rng.randint(1, 3)):
-        where = mutant if rng.random() < 0.6 else mutant.setdefault("attrs", {})
+        roll = rng.random()
+        where = mutant if roll < 0.5 else mutant.setdefault("attrs", {})
+        if roll >= 0.8 and type(mutant.get("dtensor")) is dict:
+            where = mutant["dtensor"]
         if type(where) is not dict:
             continue
-        keys = [*sorted(where), "dtensor", "extra", *ATTRIBUTE_KINDS]
+        keys = [*sorted(where), "dtensor", "extra", *ATTRIBUTE_KINDS, *_DTENSOR_KEYS]
         key = rng.choice(keys)
         if rng.random() < 0.2:
             where.pop(key, None)
@@ -313,8 +371,9 @@ def test_the_quick_record_check_accepts_only_what_the_full_check_does() -> None:
         with safe_open(str(path), framework="pt") as file:
             entries += json.loads(file.metadata()["gradstat"])["params"]
     assert entries
+    entries += _dtensor_entries() * 40  # a quarter of the picks: the samples hold none
     rng = random.Random(SEED)
-    quick = 0
+    quick = dtensors = 0
     for index in range(20_000):
         entry = (
             rng.choice(entries) if index % 10 == 0 else _mutated_record(rng.choice(entries), rng)
@@ -327,10 +386,12 @@ def test_the_quick_record_check_accepts_only_what_the_full_check_does() -> None:
         if record is not None:
             quick += 1
             assert record == checked, entry
-        if entry.get("dtensor") is None and checked is not None and index % 10 == 0:
-            # An unmutated plain record (a fragment's too) is taken the quick way.
+        if checked is not None and index % 10 == 0:
+            # An unmutated plain record (a fragment's, a DTensor's too) is taken the quick way.
             assert record is not None or "gtp_group" in entry["attrs"]
+            dtensors += entry["dtensor"] is not None
     assert quick > 2_000
+    assert dtensors > 20
 
 
 @pytest.mark.parametrize("offset", [-1, 0, 1, 20, 21, 2**63])

@@ -513,12 +513,12 @@ _QUICK_KINDS = {key: kind for key, kind in ATTRIBUTE_KINDS.items() if key != "gt
 
 
 def _plain_record(entry: Any) -> ParamRecord | None:
-    """The record of a plain entry (no DTensor, no GTP group, each attribute of its own type,
-    a distributed-optimizer fragment inside its parameter), checked in a few steps: a rank file
-    lists thousands, and a snapshot whose files do not repeat each other's lists (pipeline
-    stages, fragments) has every one checked. None for any other entry, sound or not, which
-    :func:`_checked_param` reads (and words what is wrong): what this accepts, it accepts as
-    that does, and makes the same record of."""
+    """The record of a plain entry (no GTP group, each attribute of its own type, a
+    distributed-optimizer fragment inside its parameter, a DTensor's shard inside its tensor),
+    checked in a few steps: a rank file lists thousands, and a snapshot whose files do not
+    repeat each other's lists (pipeline stages, fragments, FSDP2 shards) has every one checked.
+    None for any other entry, sound or not, which :func:`_checked_param` reads (and words what
+    is wrong): what this accepts, it accepts as that does, and makes the same record of."""
     if type(entry) is not dict:
         return None
     name, has_grad, dtype = entry.get("name"), entry.get("grad"), entry.get("dtype")
@@ -530,7 +530,6 @@ def _plain_record(entry: Any) -> ParamRecord | None:
         and type(shape) is list
         and type(param_shape) is list
         and type(attrs) is dict
-        and entry.get("dtensor") is None
         and all(type(value) is _QUICK_KINDS.get(key) for key, value in attrs.items())
         and are_sizes(shape)
         and are_sizes(param_shape)
@@ -542,7 +541,71 @@ def _plain_record(entry: Any) -> ParamRecord | None:
         attrs, shape
     ):
         return None
-    return ParamRecord(name, has_grad, tuple(shape), dtype, tuple(param_shape), attrs)
+    found = entry.get("dtensor")
+    placement = None if found is None else _quick_placement(found)
+    if found is not None and (placement is None or not _inside(placement, shape)):
+        return None
+    return ParamRecord(name, has_grad, tuple(shape), dtype, tuple(param_shape), attrs, placement)
+
+
+def _quick_placement(found: Any) -> MeshPlacement | None:
+    """A DTensor record's placement as :func:`_parse_dtensor` makes it, checked in a few steps;
+    None for anything unusual (that function words what is wrong)."""
+    if type(found) is not dict:
+        return None
+    mesh_shape, coordinate = found.get("mesh_shape"), found.get("coordinate")
+    placements, names = found.get("placements"), found.get("mesh_dim_names")
+    global_shape, offset = found.get("global_shape"), found.get("global_offset")
+    copies = found.get("copies")
+    if not (
+        type(mesh_shape) is list
+        and type(coordinate) is list
+        and type(placements) is list
+        and type(global_shape) is list
+        and (names is None or (type(names) is list and all(type(n) is str for n in names)))
+        and (offset is None or (type(offset) is list and are_sizes(offset)))
+        and (copies is None or (type(copies) is list and all(map(_plain_copy, copies))))
+        and are_sizes(mesh_shape, 1)
+        and are_sizes(coordinate)
+        and are_sizes(global_shape)
+        and fits_torch(global_shape)
+        and all(map(valid_code, placements))
+        and len(mesh_shape) == len(coordinate) == len(placements)
+        and (not names or len(names) == len(placements))
+        and all(map(int.__lt__, coordinate, mesh_shape))
+        and (not offset or len(offset) == len(global_shape))
+    ):
+        return None
+    return MeshPlacement(
+        mesh_shape=tuple(mesh_shape),
+        coordinate=tuple(coordinate),
+        placements=tuple(placements),
+        global_shape=tuple(global_shape),
+        mesh_dim_names=None if names is None else tuple(names),
+        global_offset=tuple(offset) if offset else None,  # [] as no offset, as there
+        copies=tuple((copy[0], copy[1], copy[2]) for copy in copies or ()),
+    )
+
+
+def _plain_copy(copy: Any) -> bool:
+    return (
+        type(copy) is list
+        and len(copy) == 3
+        and type(copy[0]) is str
+        and type(copy[1]) is int
+        and type(copy[2]) is int
+        and 0 <= copy[1] < copy[2]
+    )
+
+
+def _inside(placement: MeshPlacement, shape: list[int]) -> bool:
+    """Whether a shard of ``shape`` at the placement's offset lies inside its global shape."""
+    offset, full = placement.global_offset, placement.global_shape
+    if offset is None:
+        return True
+    return len(shape) == len(full) and all(
+        o + n <= g for o, n, g in zip(offset, shape, full, strict=True)
+    )
 
 
 def _fits_fragment(attrs: dict[str, Any], shape: list[int]) -> bool:
