@@ -507,8 +507,8 @@ def _parse_param(path: Path, index: int, entry: Any) -> ParamRecord:
     return record if record is not None else _checked_param(path, index, entry)
 
 
-# The attributes a plain record may carry, by kind: all but the GTP group (a DTensor's or a
-# GTP shard's record is checked field by field); a fragment's place is checked besides.
+# The attributes a plain record may carry, by kind: all but the GTP group (a GTP shard's
+# record is checked field by field); a fragment's place is checked besides.
 _QUICK_KINDS = {key: kind for key, kind in ATTRIBUTE_KINDS.items() if key != "gtp_group"}
 
 
