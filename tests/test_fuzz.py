@@ -349,9 +349,12 @@ def _mutated_record(entry: dict[str, Any], rng: random.Random) -> dict[str, Any]
     mutant = json.loads(json.dumps(entry))
     for _ in range(rng.randint(1, 3)):
         roll = rng.random()
-        where = mutant if roll < 0.5 else mutant.setdefault("attrs", {})
-        if roll >= 0.8 and type(mutant.get("dtensor")) is dict:
+        if roll < 0.5:
+            where = mutant
+        elif roll >= 0.8 and type(mutant.get("dtensor")) is dict:
             where = mutant["dtensor"]
+        else:
+            where = mutant.setdefault("attrs", {})
         if type(where) is not dict:
             continue
         keys = [*sorted(where), "dtensor", "extra", *ATTRIBUTE_KINDS, *_DTENSOR_KEYS]

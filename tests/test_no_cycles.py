@@ -46,9 +46,9 @@ def collection_off() -> Iterator[Callable[[Callable[[], object]], int]]:
             gc.enable()
 
 
-def _read_and_reduce(directory: Path, **options: object) -> Callable[[], object]:
+def _read_and_reduce(directory: Path) -> Callable[[], object]:
     def action() -> None:
-        snapshot = Snapshot.open(directory, **options)  # type: ignore[arg-type]
+        snapshot = Snapshot.open(directory)
         stats = snapshot_stats(snapshot, (2.0, 1.0, math.inf), zeros=True)
         assert stats.params
 

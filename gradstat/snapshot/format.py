@@ -588,6 +588,7 @@ def _quick_placement(found: Any) -> MeshPlacement | None:
 
 
 def _plain_copy(copy: Any) -> bool:
+    """Whether a DTensor record's ``copies`` entry is ``[dim_name, rank, size]``."""
     return (
         type(copy) is list
         and len(copy) == 3
@@ -598,7 +599,7 @@ def _plain_copy(copy: Any) -> bool:
     )
 
 
-def _inside(placement: MeshPlacement, shape: list[int]) -> bool:
+def _inside(placement: MeshPlacement, shape: Sequence[int]) -> bool:
     """Whether a shard of ``shape`` at the placement's offset lies inside its global shape."""
     offset, full = placement.global_offset, placement.global_shape
     if offset is None:
@@ -650,13 +651,12 @@ def _checked_param(path: Path, index: int, entry: Any) -> ParamRecord:
     if dtensor_data is not None:
         dtensor = _parse_dtensor(_Fields(path, "parameter {!r} dtensor", dtensor_data, name))
     shape = fields.sizes("shape")
-    if dtensor is not None and dtensor.global_offset is not None:
-        box = zip(dtensor.global_offset, shape, dtensor.global_shape, strict=False)
-        if len(shape) != len(dtensor.global_shape) or any(o + n > g for o, n, g in box):
-            raise fields.fail(
-                f"dtensor global_offset {list(dtensor.global_offset)} with shape {list(shape)} "
-                f"is outside global_shape {list(dtensor.global_shape)}"
-            )
+    if dtensor is not None and not _inside(dtensor, shape):
+        assert dtensor.global_offset is not None  # no offset: nothing to lie outside of
+        raise fields.fail(
+            f"dtensor global_offset {list(dtensor.global_offset)} with shape {list(shape)} "
+            f"is outside global_shape {list(dtensor.global_shape)}"
+        )
     record = ParamRecord(
         name=name,
         has_grad=has_grad,
@@ -700,13 +700,7 @@ def _parse_dtensor(mesh: _Fields) -> MeshPlacement:
     offset = mesh.ints("global_offset") if mesh.get("global_offset", list, True) else None
     copies = []
     for copy in mesh.get("copies", list, optional=True) or []:
-        if not (
-            isinstance(copy, list)
-            and len(copy) == 3
-            and isinstance(copy[0], str)
-            and all(type(value) is int for value in copy[1:])
-            and 0 <= copy[1] < copy[2]
-        ):
+        if not _plain_copy(copy):
             raise mesh.fail(f"copies entry {copy!r}: expected [dim_name, rank, size]")
         copies.append((copy[0], copy[1], copy[2]))
     record = MeshPlacement(
