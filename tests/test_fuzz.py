@@ -211,7 +211,7 @@ def test_parts_repeated_from_files_read_before_read_as_the_whole_file(tmp_path: 
     for name in originals:
         open_rank_file(good, name, known=known)
     # Both ranks hold one list and one layout; their metadata differ (rank, coordinates).
-    assert len(known.layouts) == 1 and len(known.params) == 1
+    assert len(known.layouts) == 1 and len(known.params.by_text) == 1
     rng = random.Random(SEED)
     trial = tmp_path / "trial"
     trial.mkdir()
@@ -219,7 +219,7 @@ def test_parts_repeated_from_files_read_before_read_as_the_whole_file(tmp_path: 
     for _ in range(MUTANTS):
         victim = rng.choice(sorted(originals))
         (trial / victim).write_bytes(_mutate(originals[victim], rng))
-        seen = Repeats(dict(known.layouts), dict(known.params))
+        seen = Repeats(dict(known.layouts), known.params.copy())
         result = _read(trial, victim, seen)
         assert result == _read(trial, victim, None)
         # Read, with both parts known: the mutant changed the file's own parts (or nothing).
@@ -265,7 +265,7 @@ def test_headers_built_to_split_wrongly_read_as_a_whole_parse_reads(tmp_path: Pa
     trial.mkdir()
     for edge, (header, data) in _edges(*_split((good / names[1]).read_bytes())).items():
         (trial / names[1]).write_bytes(_join(header, data))
-        seen = Repeats(dict(known.layouts), dict(known.params))
+        seen = Repeats(dict(known.layouts), known.params.copy())
         assert _read(trial, names[1], seen) == _read(trial, names[1], None), edge
 
 

@@ -28,7 +28,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,6 +36,9 @@ from gradstat._cached import cached
 from gradstat.core.axes import AXES
 from gradstat.core.placements import MeshPlacement, valid_code
 from gradstat.errors import SnapshotError
+
+if TYPE_CHECKING:
+    from gradstat.snapshot.repeats import KnownParams
 
 FORMAT_NAME = "gradstat-snapshot"
 FORMAT_VERSION = 1
@@ -380,9 +383,6 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
     return " or ".join(names.get(k, k.__name__) for k in _as_tuple(kind))
 
 
-# The parameter records of rank files already read, by the text of their JSON list.
-KnownParams = dict[str, tuple[ParamRecord, ...]]
-
 _PARAMS_KEY = '"params":'
 
 
@@ -390,9 +390,8 @@ def _known_params(
     path: Path, text: str, known: KnownParams
 ) -> tuple[dict[str, Any], tuple[ParamRecord, ...]] | None:
     """The metadata without its parameter list, and the list's records, parsed and checked
-    once per distinct list text: a snapshot's rank files repeat each other's lists (data-parallel
-    replicas, tensor-parallel shards, pipeline stages of the same layers), and a list costs
-    more to check than the rest of the file.
+    once per distinct list (see :mod:`gradstat.snapshot.repeats`): a snapshot's rank files
+    repeat each other's lists, and a list costs more to check than the rest of the file.
 
     gradstat writes the list last: the text is ``head + list + "}"``, ``head`` ending in
     ``"params":``. When ``head + "null}"`` parses, as an object, that key is the object's own and
@@ -406,22 +405,17 @@ def _known_params(
     head, listed = text[: at + len(_PARAMS_KEY)], text[at + len(_PARAMS_KEY) : -1]
     try:
         document = load_json(path, head + "null}", "gradstat metadata")
-        records = known.get(listed)
-        if records is None:
-            entries = load_json(path, listed, "gradstat metadata")
-            if type(entries) is not list:
-                return None
-            records = known[listed] = _parse_params(path, entries)
+        records = known.records(path, listed)
     except (ValueError, SnapshotError):
         return None
-    return document, records
+    return None if records is None else (document, records)
 
 
 def parse_header(path: Path, text: str, known: KnownParams | None = None) -> RankHeader:
     """Parse and check the gradstat metadata of ``path``.
 
-    ``known``: parameter records of rank files already read, by their list's text; this
-    file's are added (see :func:`_known_params`).
+    ``known``: the parameter lists of rank files already read; this file's is added (see
+    :func:`_known_params`).
 
     Raises:
         SnapshotError: not a gradstat snapshot, another format version, or a malformed field.
@@ -448,7 +442,7 @@ def parse_header(path: Path, text: str, known: KnownParams | None = None) -> Ran
     grad_attr = top.get("grad_attr", str)
     if grad_attr not in GRAD_ATTRS:
         raise top.fail(f"grad_attr {grad_attr!r} is not one of {', '.join(GRAD_ATTRS)}")
-    params = _parse_params(path, top.get("params", list)) if split is None else split[1]
+    params = parse_params(path, top.get("params", list)) if split is None else split[1]
     triggers = top.get("triggers", list, optional=True) or []
     if not all(isinstance(trigger, str) for trigger in triggers):
         raise top.fail("triggers must be a list of strings")
@@ -468,7 +462,7 @@ def parse_header(path: Path, text: str, known: KnownParams | None = None) -> Ran
 _UNSPLIT = [0, 1]
 
 
-def _parse_params(path: Path, entries: list[Any]) -> tuple[ParamRecord, ...]:
+def parse_params(path: Path, entries: list[Any]) -> tuple[ParamRecord, ...]:
     params = tuple(_parse_param(path, index, entry) for index, entry in enumerate(entries))
     names: set[str] = set()
     for record in params:
@@ -537,13 +531,13 @@ def _plain_record(entry: Any) -> ParamRecord | None:
         and fits_torch(param_shape)
     ):
         return None
-    if ("fragment_offset" in attrs or "fragment_shape" in attrs) and not _fits_fragment(
+    if ("fragment_offset" in attrs or "fragment_shape" in attrs) and not fits_fragment(
         attrs, shape
     ):
         return None
     found = entry.get("dtensor")
     placement = None if found is None else _quick_placement(found)
-    if found is not None and (placement is None or not _inside(placement, shape)):
+    if found is not None and (placement is None or not shard_inside(placement, shape)):
         return None
     return ParamRecord(name, has_grad, tuple(shape), dtype, tuple(param_shape), attrs, placement)
 
@@ -599,7 +593,7 @@ def _plain_copy(copy: Any) -> bool:
     )
 
 
-def _inside(placement: MeshPlacement, shape: Sequence[int]) -> bool:
+def shard_inside(placement: MeshPlacement, shape: Sequence[int]) -> bool:
     """Whether a shard of ``shape`` at the placement's offset lies inside its global shape."""
     offset, full = placement.global_offset, placement.global_shape
     if offset is None:
@@ -609,7 +603,7 @@ def _inside(placement: MeshPlacement, shape: Sequence[int]) -> bool:
     )
 
 
-def _fits_fragment(attrs: dict[str, Any], shape: list[int]) -> bool:
+def fits_fragment(attrs: dict[str, Any], shape: Sequence[int]) -> bool:
     """Whether a plain entry's fragment attributes (each of its kind, ``shape`` sizes) pass
     :func:`_check_fragment`: both given, a flat fragment within its parameter's shape."""
     offset, full = attrs.get("fragment_offset"), attrs.get("fragment_shape")
@@ -651,7 +645,7 @@ def _checked_param(path: Path, index: int, entry: Any) -> ParamRecord:
     if dtensor_data is not None:
         dtensor = _parse_dtensor(_Fields(path, "parameter {!r} dtensor", dtensor_data, name))
     shape = fields.sizes("shape")
-    if dtensor is not None and not _inside(dtensor, shape):
+    if dtensor is not None and not shard_inside(dtensor, shape):
         assert dtensor.global_offset is not None  # no offset: nothing to lie outside of
         raise fields.fail(
             f"dtensor global_offset {list(dtensor.global_offset)} with shape {list(shape)} "

@@ -31,13 +31,13 @@ from gradstat.snapshot.dcp import is_dcp_directory
 from gradstat.snapshot.format import (
     METADATA_KEY,
     TORCH_SIZE_LIMIT,
-    KnownParams,
     ParamRecord,
     RankHeader,
     fits_torch,
     is_wgrads_name,
     parse_header,
 )
+from gradstat.snapshot.repeats import KnownParams
 
 if TYPE_CHECKING:
     from gradstat.snapshot.wgrads import Source, WgradsOptions
@@ -426,7 +426,7 @@ class Repeats:
     read, its own parts parsed and every check that involves them made."""
 
     layouts: KnownLayouts = field(default_factory=dict)
-    params: KnownParams = field(default_factory=dict)
+    params: KnownParams = field(default_factory=KnownParams)
 
 
 def open_rank_file(
