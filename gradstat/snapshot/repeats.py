@@ -193,8 +193,10 @@ class KnownParams:
         records = self.by_text.get(listed)
         if records is not None:
             return records
-        parts = _OWN_NUMBERS.split(listed)  # text, key, number, text, key, number, ..., text
-        if len(parts) == 1:
+        # A list without the keys (a scan of a fifth of the split's time) splits into itself.
+        with_keys = '"coordinate":' in listed or '_offset":' in listed
+        parts = _OWN_NUMBERS.split(listed) if with_keys else [listed]
+        if len(parts) == 1:  # else text, key, number, text, key, number, ..., text
             entries = load_json(path, listed, "gradstat metadata")
             if type(entries) is not list:
                 return None
