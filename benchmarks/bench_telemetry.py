@@ -16,8 +16,8 @@ Each recorder writes its own run directory (a temporary one) and fires no trigge
 (``spike=None``): this is the every-step cost. The tables give each loop's median step, the
 medians of the per-repeat ratios (the issue's target: telemetry/total <= 1.05x), what the
 recorder adds to the bare step (the difference of the loops, and ``Recorder.step`` timed
-inside the loop) and the log's bytes per step, held against ``gradstat/recorder/log.py``'s
-documented sizes. A second scenario, ``--tensors`` tiny parameters, shows the per-tensor cost;
+inside the loop), the cyclic collector's collections per step of each loop, and the log's
+bytes per step, held against ``gradstat/recorder/log.py``'s documented sizes. A second scenario, ``--tensors`` tiny parameters, shows the per-tensor cost;
 a third runs the transformer under DDP on 2 gloo ranks (one thread each).
 
 Usage::
@@ -29,6 +29,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import platform
 import statistics
@@ -153,6 +154,14 @@ class _Loops:
         }
         self.steps = dict.fromkeys(LOOPS, 0)
         self.inside = dict.fromkeys(LOOPS, 0.0)  # seconds spent in Recorder.step
+        # The cyclic collector's collections started during each loop's steps (the recorder
+        # pauses it for its step: gradstat/_collector.py).
+        self.collections = dict.fromkeys(LOOPS, 0)
+        self.running = "bare"
+
+    def _collected(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self.collections[self.running] += 1
 
     def step(self, loop: str) -> None:
         self.optimizer.zero_grad()
@@ -170,10 +179,16 @@ class _Loops:
     def timed(self, loop: str, steps: int) -> tuple[float, float]:
         """Seconds per step of ``loop`` over ``steps`` steps, and of its Recorder.step."""
         self.inside[loop] = 0.0
-        start = time.perf_counter()
-        for _ in range(steps):
-            self.step(loop)
-        return (time.perf_counter() - start) / steps, self.inside[loop] / steps
+        self.running = loop
+        gc.callbacks.append(self._collected)
+        try:
+            start = time.perf_counter()
+            for _ in range(steps):
+                self.step(loop)
+            seconds = time.perf_counter() - start
+        finally:
+            gc.callbacks.remove(self._collected)
+        return seconds / steps, self.inside[loop] / steps
 
 
 @dataclass(frozen=True)
@@ -182,6 +197,7 @@ class _Result:
     inside: dict[str, list[float]]  # Recorder.step's seconds per step, one per repeat
     log_bytes: dict[str, tuple[int, int]]  # loop: (step records, their bytes)
     names: int  # per-parameter names in the telemetry log
+    collections: dict[str, float]  # the collector's collections per step, by loop
 
 
 def _step_frames(path: Path) -> tuple[int, int]:
@@ -216,7 +232,8 @@ def _measure(job: _Job, steps: int, repeats: int, directory: Path) -> _Result:
     }
     params = loops.recorders["telemetry"].params
     names = len(params.norms) if params is not None else 0
-    return _Result(times, inside, log_bytes, names)
+    collections = {loop: count / (steps * repeats) for loop, count in loops.collections.items()}
+    return _Result(times, inside, log_bytes, names, collections)
 
 
 def _ratio(result: _Result, ours: str, peer: str) -> float:
@@ -236,8 +253,11 @@ def _report(title: str, result: _Result) -> None:
     inside = {loop: statistics.median(values) for loop, values in result.inside.items()}
     bare = median["bare"]
     print(f"\n{title}")
-    print("| loop | median step | added to bare (loops' difference) | Recorder.step inside |")
-    print("|---|---:|---:|---:|")
+    print(
+        "| loop | median step | added to bare (loops' difference) | Recorder.step inside "
+        "| collections a step |"
+    )
+    print("|---|---:|---:|---:|---:|")
     for loop in LOOPS:
         added = inside_text = ""
         if loop != "bare":
@@ -245,7 +265,8 @@ def _report(title: str, result: _Result) -> None:
             added = f"{added_ms:+.2f} ms ({added_ms / 1e3 / bare:+.1%})"
         if loop in ("telemetry", "total"):
             inside_text = f"{inside[loop] * 1e3:.2f} ms ({inside[loop] / bare:.1%} of bare)"
-        print(f"| {loop} | {median[loop] * 1e3:.1f} ms | {added} | {inside_text} |")
+        collections = f"{result.collections[loop]:.1f}"
+        print(f"| {loop} | {median[loop] * 1e3:.1f} ms | {added} | {inside_text} | {collections} |")
     # Other load on the machine comes in bursts that hit a whole repeat: the fastest repeats
     # of each loop are a second view, less exposed to it than the medians.
     print("\n| ratio | median of per-repeat ratios | fastest / fastest |")

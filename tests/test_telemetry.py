@@ -5,6 +5,7 @@ torn, damaged, on a full disk and after a resume; the logged-norm check; first j
 from __future__ import annotations
 
 import errno
+import gc
 import json
 import logging
 import math
@@ -20,6 +21,7 @@ import torch.distributed as dist
 
 import gradstat
 from gradstat.analysis.history import read_history
+from gradstat.errors import GradstatError
 from gradstat.recorder import log as log_module
 from gradstat.recorder.log import LOG_NAME
 from gradstat.testing import Case, launch
@@ -550,3 +552,42 @@ def test_a_rank_that_cannot_describe_its_gradients_stops_the_statistics_not_the_
     assert "an attribute no record can hold" in lines[0]
     history = read_history(tmp_path)
     assert history.steps == [1, 2, 3] and history.params == {}
+
+
+class _Watched(torch.nn.Module):
+    """Parameters whose walk notes whether Python's cyclic collector was running."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        self.pieces = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.ones(4)) for _ in range(count)
+        )
+        self.collector_running: list[bool] = []
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
+        self.collector_running.append(gc.isenabled())
+        return super().named_parameters(*args, **kwargs)
+
+
+@pytest.mark.parametrize("running", [True, False])
+def test_a_step_pauses_the_collector_and_leaves_it_as_it_was(tmp_path: Path, running: bool) -> None:
+    """A step makes objects by the gradient; the collector, paused while it runs (see
+    ``gradstat._collector``), is as the loop had it after the step, and after a step that
+    raises."""
+    model = _Watched(50)
+    for param in model.parameters():
+        param.grad = torch.full((4,), 0.5)
+    recorder = gradstat.Recorder(model, tmp_path / "run", spike=None)
+    was = gc.isenabled()
+    (gc.enable if running else gc.disable)()
+    try:
+        model.collector_running.clear()
+        norm = recorder.step(0)
+        with pytest.raises(GradstatError):
+            recorder.step(-1)
+        after = gc.isenabled()
+    finally:
+        (gc.enable if was else gc.disable)()
+    assert model.collector_running and not any(model.collector_running)  # step 0 paused it
+    assert after is running
+    assert math.isclose(norm, math.sqrt(50 * 4 * 0.25), rel_tol=1e-12)

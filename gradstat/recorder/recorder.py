@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradstat._collector import collector_paused
 from gradstat.clip_grads import check_norm_type
 from gradstat.errors import ArgumentError, ArgumentTypeError
 from gradstat.recorder.agreement import Agreement
@@ -275,6 +276,10 @@ class Recorder:
                 logged norm that is not a number >= 0.
             PeerTimeoutError: a rank did not reach this step within ``agree_timeout_s``.
         """
+        with collector_paused():  # a step makes objects by the gradient: see there
+            return self._step(step, logged_norm)
+
+    def _step(self, step: int | torch.Tensor, logged_norm: float | torch.Tensor | None) -> float:
         number = step_number(step)
         logged = logged_value(logged_norm)
         telemetry = self._telemetry
