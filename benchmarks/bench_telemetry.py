@@ -17,8 +17,9 @@ Each recorder writes its own run directory (a temporary one) and fires no trigge
 medians of the per-repeat ratios (the issue's target: telemetry/total <= 1.05x), what the
 recorder adds to the bare step (the difference of the loops, and ``Recorder.step`` timed
 inside the loop), the cyclic collector's collections per step of each loop, and the log's
-bytes per step, held against ``gradstat/recorder/log.py``'s documented sizes. A second scenario, ``--tensors`` tiny parameters, shows the per-tensor cost;
-a third runs the transformer under DDP on 2 gloo ranks (one thread each).
+bytes per step, held against ``gradstat/recorder/log.py``'s documented sizes. A second
+scenario, ``--tensors`` tiny parameters, shows the per-tensor cost; a third runs the transformer
+under DDP on 2 gloo ranks (one thread each).
 
 Usage::
 

@@ -217,4 +217,6 @@ class KnownParams:
             made = _template_of(entries, records, parts)
             if made is not None:
                 self.by_template[template_key] = made
+            else:  # numbers that cannot be placed: by text, as a list without them
+                self.by_text[listed] = records
         return records
