@@ -209,6 +209,7 @@ def test_own_keys_out_of_their_place_make_no_template(case: str) -> None:
     ],
 )
 def test_lists_written_otherwise_read_as_their_whole_parse(old: str, new: str) -> None:
+    """Lists that gradstat does not write so, with and without a template made before."""
     known = KnownParams()
     first = _header(_fsdp2(3))
     assert _outcome(first, known) == _outcome(first, None)
@@ -218,9 +219,9 @@ def test_lists_written_otherwise_read_as_their_whole_parse(old: str, new: str) -
         assert _outcome(text, known) == _outcome(text, None)
 
 
-def test_sample_snapshots_list_what_a_whole_parse_reads() -> None:
-    """The records a template fills in for every rank of the layouts above are those a whole
-    parse makes: each rank's own coordinate, offset and fragment offset."""
+def test_each_rank_reads_the_records_it_was_written_from() -> None:
+    """The records a template fills in for every rank of the layouts above are those its header
+    was written from: each rank's own coordinate, offset and fragment offset."""
     for make in LAYOUTS.values():
         known = KnownParams()
         headers = [parse_header(PATH, _header(make(rank)), known) for rank in range(8)]

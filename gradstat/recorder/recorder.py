@@ -276,7 +276,7 @@ class Recorder:
                 logged norm that is not a number >= 0.
             PeerTimeoutError: a rank did not reach this step within ``agree_timeout_s``.
         """
-        with collector_paused():  # a step makes objects by the gradient: see there
+        with collector_paused():  # a step makes objects by the gradient (see gradstat._collector)
             return self._step(step, logged_norm)
 
     def _step(self, step: int | torch.Tensor, logged_norm: float | torch.Tensor | None) -> float:
