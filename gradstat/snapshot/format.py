@@ -564,13 +564,11 @@ def _quick_placement(found: Any) -> MeshPlacement | None:
         and are_sizes(global_shape)
         and fits_torch(global_shape)
         and all(map(valid_code, placements))
-        and len(mesh_shape) == len(coordinate) == len(placements)
+        and len(mesh_shape) == len(placements)
         and (not names or len(names) == len(placements))
-        and all(map(int.__lt__, coordinate, mesh_shape))
-        and (not offset or len(offset) == len(global_shape))
     ):
         return None
-    return MeshPlacement(
+    placement = MeshPlacement(
         mesh_shape=tuple(mesh_shape),
         coordinate=tuple(coordinate),
         placements=tuple(placements),
@@ -578,6 +576,19 @@ def _quick_placement(found: Any) -> MeshPlacement | None:
         mesh_dim_names=None if names is None else tuple(names),
         global_offset=tuple(offset) if offset else None,  # [] as no offset, as there
         copies=tuple((copy[0], copy[1], copy[2]) for copy in copies or ()),
+    )
+    return placement if on_its_mesh(placement) else None
+
+
+def on_its_mesh(placement: MeshPlacement) -> bool:
+    """Whether a DTensor shard's coordinate lies on its mesh and its offset, where it has one,
+    gives one place per dimension of its global shape: the checks of a rank's own numbers."""
+    coordinate, mesh_shape = placement.coordinate, placement.mesh_shape
+    offset = placement.global_offset
+    return (
+        len(coordinate) == len(mesh_shape)
+        and all(map(int.__lt__, coordinate, mesh_shape))
+        and (offset is None or len(offset) == len(placement.global_shape))
     )
 
 

@@ -23,6 +23,7 @@ from gradstat.snapshot.format import (
     are_sizes,
     fits_fragment,
     load_json,
+    on_its_mesh,
     parse_params,
     shard_inside,
 )
@@ -98,12 +99,6 @@ def _placed(
         coordinate = _sizes(numbers[slot.coordinate])
     if slot.global_offset is not None:
         offset = _sizes(numbers[slot.global_offset]) or None  # [] as none, as parsing reads it
-    if not (
-        len(coordinate) == len(placement.mesh_shape)
-        and all(map(int.__lt__, coordinate, placement.mesh_shape))
-        and (offset is None or len(offset) == len(placement.global_shape))
-    ):
-        return None
     placed = MeshPlacement(
         placement.mesh_shape,
         coordinate,
@@ -113,7 +108,7 @@ def _placed(
         offset,
         placement.copies,
     )
-    return placed if shard_inside(placed, shape) else None
+    return placed if on_its_mesh(placed) and shard_inside(placed, shape) else None
 
 
 def _sizes(text: str) -> tuple[int, ...]:
