@@ -6,11 +6,12 @@
  *
  * Sums are float64 throughout: an fp32 (or bf16) value's square and magnitude are exact in a
  * double, so each element enters its sum exactly, and the only rounding is the float64 additions,
- * in an order this file fixes: LANES accumulators per BLOCK, the lanes in order, the blocks of a
- * CHUNK in order, the chunks in order. No element's sum takes more than 32 + 16 + 64 + chunks
- * additions (that depth times 2^-53 bounds the relative error of a sum of squares or of
- * magnitudes: 4.6e-14 for 1e7 elements), whatever the CPU's vector width: the compiler may not
- * reorder float additions without -ffast-math. They are not free: against fp32 lanes, measured
+ * in an order this file fixes: a CHUNK's elements go to lanes, one row of lanes per cache line
+ * (16 for fp32, 32 for bf16), element i of the chunk to lane i mod lanes in order, the remainder
+ * past the last whole row to lane 0; then the lanes are added in order, and the chunks in order.
+ * No element's sum takes more than 2048 + 32 + chunks additions (that depth times 2^-53 bounds
+ * the relative error of a sum of squares or of magnitudes: 2.6e-13 for 1e7 elements), whatever
+ * the CPU's vector width: the compiler may not reorder float additions without -ffast-math. They are not free: against fp32 lanes, measured
  * on this project's 2-core CPU, 1.2x on fp32 data read from memory and 1.4x on data in cache.
  * A norm takes one sum alone (gradstat_sum_*), about twice the fused pass's speed on bf16.
  *
@@ -36,10 +37,9 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#define BLOCK 512      /* elements per block partial (its zero count is an int32) */
-#define LANES 16       /* independent accumulators per block, so the loop vectorizes */
 #define CHUNK 32768    /* elements per double partial, the unit of work of a thread */
 #define PARALLEL_CHUNKS 4 /* fewer chunks than this (512 KiB of fp32): no thread team */
+#define ROW_BYTES 64   /* a row of lanes is one cache line: 16 fp32 lanes, 32 bf16 lanes */
 
 /* A bf16 value is the upper half of the fp32 with the same bits. */
 static inline float bf16_to_float(uint16_t bits) {
@@ -52,29 +52,32 @@ static inline float bf16_to_float(uint16_t bits) {
 #define LOAD_F32(p, i) ((p)[i])
 #define LOAD_BF16(p, i) bf16_to_float((p)[i])
 
-/* Ask for the cache lines PREFETCH_BYTES ahead of a block before summing it: the hardware
- * prefetcher alone kept too few loads in flight. Measured from memory on this project's 2-core
- * CPU (256M elements, two threads): bf16 squares at 4.1 G elements/s without it, 10.6 with it
- * (PyTorch's vector_norm 5.6); fp32 at 4.4 and 6.7 (PyTorch 3.8). In benchmarks/bench_core.py,
- * 2 KiB ahead against 8: zero counts 0.31x of PyTorch's against 0.42x, bf16 L2 0.61x against
- * 0.66x, fp32 L2 0.57x against 0.54x. A prefetch never faults, past a tensor's end or a
- * truncated map's. */
+/* Each row asks for the cache line PREFETCH_BYTES ahead of it: the hardware prefetcher alone kept
+ * too few loads in flight. Measured from memory on this project's 2-core CPU (256M elements, two
+ * threads): bf16 squares at 4.1 G elements/s without a prefetch, 10.6 with one (PyTorch's
+ * vector_norm 5.6); fp32 at 4.4 and 6.7 (PyTorch 3.8). The prefetch was first issued for a
+ * whole block of 512 elements at the block's start; one per row, with the lanes kept through the
+ * chunk instead of summed every 512 elements, took bf16's pass over benchmarks/bench_core.py's
+ * set from 20.5 to 16.9 ms (the bare read of its bytes: 17.9), fp32's unchanged. A prefetch never
+ * faults, past a tensor's end or a truncated map's. */
 #define PREFETCH_BYTES 2048
-static inline void prefetch_ahead(const void *block, int64_t bytes) {
-    for (int64_t offset = 0; offset < bytes; offset += 64)
-        __builtin_prefetch((const char *)block + PREFETCH_BYTES + offset);
+static inline void prefetch_row(const void *row) {
+    __builtin_prefetch((const char *)row + PREFETCH_BYTES);
 }
 
-/* The kernel for one element type: block_stats, chunk_stats and the exported entry point. */
+/* The kernel for one element type: chunk_stats and the exported entry points. */
 #define DEFINE_FUSED(NAME, TYPE, LOAD)                                                          \
-    static void block_stats_##NAME(const TYPE *p, int64_t len, double *squares_out,            \
-                                   double *magnitudes_out, int32_t *zeros_out,                  \
-                                   float *peak_out) {                                           \
+    /* One chunk of len elements: its sums of squares and of magnitudes, and its zeros and     \
+     * peak added to the running ones. */                                                       \
+    static void chunk_stats_##NAME(const TYPE *p, int64_t len, double *squares_out,            \
+                                   double *magnitudes_out, int64_t *zeros, float *peak) {       \
+        enum { LANES = ROW_BYTES / sizeof(TYPE) };                                              \
         double squares[LANES] = {0}, magnitudes[LANES] = {0};                                  \
         float largest[LANES] = {0};                                                             \
         int32_t zero_lanes[LANES] = {0};                                                        \
         int64_t i = 0;                                                                          \
         for (; i + LANES <= len; i += LANES) {                                                  \
+            prefetch_row(p + i);                                                                \
             for (int k = 0; k < LANES; k++) {                                                   \
                 const float v = LOAD(p, i + k), a = fabsf(v);                                   \
                 const double wide = a;                                                          \
@@ -93,8 +96,8 @@ static inline void prefetch_ahead(const void *block, int64_t bytes) {
             zero_lanes[0] += v == 0.0f;                                                         \
         }                                                                                       \
         double s = 0.0, t = 0.0;                                                                \
-        float m = 0.0f;                                                                         \
-        int32_t z = 0;                                                                          \
+        float m = *peak;                                                                        \
+        int64_t z = 0;                                                                          \
         for (int k = 0; k < LANES; k++) {                                                       \
             s += squares[k];                                                                    \
             t += magnitudes[k];                                                                 \
@@ -103,30 +106,8 @@ static inline void prefetch_ahead(const void *block, int64_t bytes) {
         }                                                                                       \
         *squares_out = s;                                                                       \
         *magnitudes_out = t;                                                                    \
-        *zeros_out = z;                                                                         \
-        *peak_out = m;                                                                          \
-    }                                                                                           \
-                                                                                                \
-    /* One chunk, [start, end), in blocks of BLOCK: its sums of squares and of magnitudes, and \
-     * its zeros and peak added to the running ones. */                                         \
-    static void chunk_stats_##NAME(const TYPE *x, int64_t start, int64_t end, double *squares, \
-                                   double *magnitudes, int64_t *zeros, float *peak) {           \
-        double chunk_squares = 0.0, chunk_magnitudes = 0.0;                                     \
-        for (int64_t begin = start; begin < end; begin += BLOCK) {                              \
-            const int64_t len = begin + BLOCK < end ? BLOCK : end - begin;                      \
-            prefetch_ahead(x + begin, len * (int64_t)sizeof(TYPE));                             \
-            double block_squares, block_magnitudes;                                             \
-            float block_peak;                                                                   \
-            int32_t block_zeros;                                                                \
-            block_stats_##NAME(x + begin, len, &block_squares, &block_magnitudes, &block_zeros, \
-                               &block_peak);                                                    \
-            chunk_squares += block_squares;                                                     \
-            chunk_magnitudes += block_magnitudes;                                               \
-            *zeros += block_zeros;                                                              \
-            *peak = block_peak > *peak ? block_peak : *peak;                                    \
-        }                                                                                       \
-        squares[0] = chunk_squares;                                                             \
-        magnitudes[0] = chunk_magnitudes;                                                       \
+        *zeros += z;                                                                            \
+        *peak = m;                                                                              \
     }                                                                                           \
                                                                                                 \
     /* Over n elements: the sum of squares, the sum of |x|, the number of elements equal to     \
@@ -144,7 +125,8 @@ static inline void prefetch_ahead(const void *block, int64_t bytes) {
                 const int64_t start = chunk * CHUNK;                                            \
                 const int64_t end = start + CHUNK < n ? start + CHUNK : n;                      \
                 double squares, magnitudes;                                                     \
-                chunk_stats_##NAME(x, start, end, &squares, &magnitudes, &zero_count, &peak);   \
+                chunk_stats_##NAME(x + start, end - start, &squares, &magnitudes, &zero_count,  \
+                                   &peak);                                                      \
                 total += squares;                                                               \
                 total_abs += magnitudes;                                                        \
             }                                                                                   \
@@ -155,8 +137,8 @@ static inline void prefetch_ahead(const void *block, int64_t bytes) {
             for (int64_t chunk = 0; chunk < chunks; chunk++) {                                  \
                 const int64_t start = chunk * CHUNK;                                            \
                 const int64_t end = start + CHUNK < n ? start + CHUNK : n;                      \
-                chunk_stats_##NAME(x, start, end, chunk_sums + chunk, chunk_sums + chunks + chunk, \
-                                   &zero_count, &peak);                                         \
+                chunk_stats_##NAME(x + start, end - start, chunk_sums + chunk,                  \
+                                   chunk_sums + chunks + chunk, &zero_count, &peak);            \
             }                                                                                   \
             for (int64_t chunk = 0; chunk < chunks; chunk++) {                                  \
                 total += chunk_sums[chunk];                                                     \
@@ -189,17 +171,19 @@ DEFINE_FUSED(f32, float, LOAD_F32)
 DEFINE_FUSED(bf16, uint16_t, LOAD_BF16)
 
 /* One sum alone, of squares or of magnitudes: the norm's pass, which needs nothing else (the
- * fused pass's zero count, peak and other sum cost it about half its time on bf16). Its blocks,
- * lanes, chunks and threads are the fused pass's, added in the same order, so it gives the bits
- * of the fused pass's sum_squares or sum_abs. */
+ * fused pass's zero count, peak and other sum cost it about half its time on bf16). Its lanes,
+ * chunks and threads are the fused pass's, added in the same order, so it gives the bits of the
+ * fused pass's sum_squares or sum_abs. */
 #define SQUARE(v) ((double)(v) * (double)(v)) /* exact, as the fused pass's square of |v| */
 #define MAGNITUDE(v) ((double)fabsf(v))
 
 #define DEFINE_SUM(NAME, TYPE, LOAD, TERM)                                                      \
-    static double block_sum_##NAME(const TYPE *p, int64_t len) {                                \
+    static double chunk_sum_##NAME(const TYPE *p, int64_t len) {                                \
+        enum { LANES = ROW_BYTES / sizeof(TYPE) };                                              \
         double lanes[LANES] = {0};                                                              \
         int64_t i = 0;                                                                          \
         for (; i + LANES <= len; i += LANES) {                                                  \
+            prefetch_row(p + i);                                                                \
             for (int k = 0; k < LANES; k++) {                                                   \
                 lanes[k] += TERM(LOAD(p, i + k));                                               \
             }                                                                                   \
@@ -212,16 +196,6 @@ DEFINE_FUSED(bf16, uint16_t, LOAD_BF16)
         return s;                                                                               \
     }                                                                                           \
                                                                                                 \
-    static double chunk_sum_##NAME(const TYPE *x, int64_t start, int64_t end) {                 \
-        double sum = 0.0;                                                                       \
-        for (int64_t begin = start; begin < end; begin += BLOCK) {                              \
-            const int64_t len = begin + BLOCK < end ? BLOCK : end - begin;                      \
-            prefetch_ahead(x + begin, len * (int64_t)sizeof(TYPE));                             \
-            sum += block_sum_##NAME(x + begin, len);                                            \
-        }                                                                                       \
-        return sum;                                                                             \
-    }                                                                                           \
-                                                                                                \
     /* Over n elements: the sum into *out. Returns 0, or -1 if out of memory. */                \
     int32_t gradstat_sum_##NAME(const TYPE *x, int64_t n, int32_t threads, double *out) {      \
         const int64_t chunks = (n + CHUNK - 1) / CHUNK;                                         \
@@ -229,7 +203,7 @@ DEFINE_FUSED(bf16, uint16_t, LOAD_BF16)
         if (chunks < PARALLEL_CHUNKS || threads <= 1) {                                         \
             for (int64_t chunk = 0; chunk < chunks; chunk++) {                                  \
                 const int64_t start = chunk * CHUNK;                                            \
-                total += chunk_sum_##NAME(x, start, start + CHUNK < n ? start + CHUNK : n);     \
+                total += chunk_sum_##NAME(x + start, start + CHUNK < n ? CHUNK : n - start);    \
             }                                                                                   \
         } else {                                                                                \
             double *chunk_sums = malloc(chunks * sizeof(double));                               \
@@ -238,7 +212,7 @@ DEFINE_FUSED(bf16, uint16_t, LOAD_BF16)
             for (int64_t chunk = 0; chunk < chunks; chunk++) {                                  \
                 const int64_t start = chunk * CHUNK;                                            \
                 chunk_sums[chunk] =                                                             \
-                    chunk_sum_##NAME(x, start, start + CHUNK < n ? start + CHUNK : n);          \
+                    chunk_sum_##NAME(x + start, start + CHUNK < n ? CHUNK : n - start);         \
             }                                                                                   \
             for (int64_t chunk = 0; chunk < chunks; chunk++) total += chunk_sums[chunk];        \
             free(chunk_sums);                                                                   \

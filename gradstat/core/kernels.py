@@ -203,11 +203,11 @@ def _rows_power_sum(grads: Sequence[Tensor], p: int, device: torch.device) -> Te
         else:
             native_sum[0] += found
 
-    flats = [grad.reshape(-1) for grad in grads]
-    for flat, found in zip(flats, native.power_sums(flats, p), strict=True):
+    for grad, found in zip(grads, native.power_sums(grads, p), strict=True):
         if found is not None:
             native_sum[0] += found
             continue
+        flat = grad.reshape(-1)
         if flat.numel() <= EXACT_ELEMENTS and flat.dtype != torch.float64:
             rows.add_exact(flat)
             continue
