@@ -30,6 +30,9 @@ def test_the_kernel_builds_where_there_is_a_compiler() -> None:
         assert native.native_kernel() is not None
 
 
+CHUNK = 32768  # _fused.c: elements per double partial
+PARALLEL_CHUNKS = 4  # _fused.c: fewer chunks than this are summed without a thread team
+
 needs_kernel = pytest.mark.skipif(
     native.native_kernel() is None,
     reason="the native kernel is off (GRADSTAT_NATIVE=0)" if TURNED_OFF else "no C compiler here",
@@ -102,10 +105,6 @@ def test_without_the_kernel_the_numbers_agree(tmp_path: Path) -> None:
     assert zeros["1"] == zeros["0"] == 1376
 
 
-CHUNK = 32768  # _fused.c: elements per double partial
-PARALLEL_CHUNKS = 4  # _fused.c: fewer chunks than this are summed without a thread team
-
-
 @needs_kernel
 @pytest.mark.parametrize(
     "size",
@@ -167,9 +166,10 @@ def test_many_tiny_tensors_keep_exact_statistics() -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("size", [1, 17, 513, 1_000_003])
+@pytest.mark.parametrize("size", [1, 17, 31, 32, 33, 513, CHUNK + 33, 1_000_003])
 def test_bf16_statistics_match_float64(size: int) -> None:
-    """bf16 is widened to fp32 in registers: the same statistics as its fp32 copy."""
+    """bf16 is widened to fp32 in registers: the same statistics as its fp32 copy. The sizes
+    fall either side of a row of 32 bf16 lanes and past a chunk's end."""
     gen = torch.Generator().manual_seed(size)
     grad = (torch.randn(size, generator=gen) * 3.0).bfloat16()
     grad[5::5] = 0.0
@@ -261,3 +261,16 @@ def test_bf16_l2_with_and_without_the_kernel(kernel: bool, monkeypatch: pytest.M
     assert rel_err(gradstat.get_grad_norm_fp32(grads, 2), float64_norm(grads, 2)) <= 1e-6
     grads[1][7] = math.inf
     assert gradstat.get_grad_norm_fp32(grads, 2) == math.inf
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunks_of_zeros_count_every_zero(dtype: torch.dtype) -> None:
+    """Each lane counts a whole chunk's zeros: three chunks and a bit of zeros, with one value
+    among them, count every zero and sum that value alone."""
+    grad = torch.zeros(3 * CHUNK + 7, dtype=dtype)
+    grad[CHUNK + 5] = -2.5
+    stats = native.fused(grad)
+    assert stats is not None
+    assert stats.zeros == grad.numel() - 1
+    assert stats.sum_squares == 6.25 and stats.sum_abs == 2.5 and stats.max_abs == 2.5
