@@ -226,6 +226,12 @@ def test_many_sums_in_one_call_are_each_tensors_own() -> None:
         grads.append(torch.randn(1 + index * 37 % 5000, generator=gen).to(dtype))
     grads.append(torch.randn(64, 100, generator=gen)[:, ::3])  # not contiguous
     grads.append(torch.randn(PARALLEL_CHUNKS * CHUNK + 5, generator=gen).bfloat16())
+    # Tensors that take the thread team, among the others: the team is shared by a call.
+    grads[150:150] = [
+        torch.randn(PARALLEL_CHUNKS * CHUNK, generator=gen),
+        torch.randn(5 * CHUNK + 3, generator=gen),
+    ]
+    grads[40:40] = [torch.randn(PARALLEL_CHUNKS * CHUNK + 77, generator=gen).bfloat16()]
     grads[7:7] = [torch.empty(0), torch.empty(0, dtype=torch.bfloat16)]
     grads.append(torch.empty(0))
     before = torch.get_num_threads()
@@ -274,3 +280,38 @@ def test_chunks_of_zeros_count_every_zero(dtype: torch.dtype) -> None:
     assert stats is not None
     assert stats.zeros == grad.numel() - 1
     assert stats.sum_squares == 6.25 and stats.sum_abs == 2.5 and stats.max_abs == 2.5
+
+
+@needs_kernel
+def test_fused_passes_in_one_call_are_each_tensors_own() -> None:
+    """fp32 tensors below and above the size that takes a thread team, in one call (the large
+    ones share the team): at every thread count, each tensor's statistics are those of a call
+    for it alone, its zeros and peak exact, a NaN in one large tensor its own."""
+    gen = torch.Generator().manual_seed(31)
+    grads = [torch.randn(1 + index * 53 % 3000, generator=gen) for index in range(60)]
+    grads[10:10] = [torch.randn(PARALLEL_CHUNKS * CHUNK + 9, generator=gen)]
+    grads[30:30] = [torch.randn(6 * CHUNK, generator=gen), torch.empty(0)]
+    grads.append(torch.randn(PARALLEL_CHUNKS * CHUNK, generator=gen))
+    for grad in grads:
+        grad[::4] = 0.0
+    grads[30][CHUNK + 3] = math.nan
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            together = native.fused_many_f32(grads)
+            alone = [native.fused_f32(grad) for grad in grads]
+            assert repr(together) == repr(alone)  # float reprs are exact; NaN reads as nan
+    finally:
+        torch.set_num_threads(before)
+    for index, (grad, stats) in enumerate(zip(grads, together, strict=True)):
+        assert stats is not None
+        assert stats.zeros == zeros_in([grad])
+        assert stats.has_nan == (index == 30)
+        if index != 30:
+            expected = float64_norm([grad], 2) ** 2
+            assert stats.max_abs == float64_norm([grad], math.inf)
+            assert (
+                stats.sum_squares == expected == 0.0
+                or rel_err(stats.sum_squares, expected) <= 1e-12
+            )

@@ -6,12 +6,13 @@
  *
  * Sums are float64 throughout: an fp32 (or bf16) value's square and magnitude are exact in a
  * double, so each element enters its sum exactly, and the only rounding is the float64 additions,
- * in an order this file fixes: a CHUNK's elements go to lanes, one row of lanes per cache line
- * (16 for fp32, 32 for bf16), element i of the chunk to lane i mod lanes in order, the remainder
- * past the last whole row to lane 0; then the lanes are added in order, and the chunks in order.
- * No element's sum takes more than 2048 + 32 + chunks additions (that depth times 2^-53 bounds
- * the relative error of a sum of squares or of magnitudes: 2.6e-13 for 1e7 elements), whatever
- * the CPU's vector width: the compiler may not reorder float additions without -ffast-math. They are not free: against fp32 lanes, measured
+ * in an order this file fixes: a CHUNK is read in rows of one cache line (16 fp32 or 32 bf16
+ * elements, each in a fixed lane of the row, see ROW_F32 and ROW_BF16), each lane summed over the
+ * rows in order and the elements past the last whole row in a sum of their own; then the lanes
+ * in order, that sum last, and the chunks in order. No element's sum takes more than 2048 + 32 +
+ * chunks additions (that depth times 2^-53 bounds the relative error of a sum of squares or of
+ * magnitudes: 2.6e-13 for 1e7 elements), whatever the CPU's vector width: the compiler may not
+ * reorder float additions without -ffast-math. They are not free: against fp32 lanes, measured
  * on this project's 2-core CPU, 1.2x on fp32 data read from memory and 1.4x on data in cache.
  * A norm takes one sum alone (gradstat_sum_*), about twice the fused pass's speed on bf16.
  *
@@ -42,31 +43,91 @@
 #define ROW_BYTES 64   /* a row of lanes is one cache line: 16 fp32 lanes, 32 bf16 lanes */
 
 /* A bf16 value is the upper half of the fp32 with the same bits. */
-static inline float bf16_to_float(uint16_t bits) {
-    const uint32_t wide = (uint32_t)bits << 16;
+static inline float bits_to_float(uint32_t bits) {
     float value;
-    memcpy(&value, &wide, sizeof value);
+    memcpy(&value, &bits, sizeof value);
     return value;
 }
+static inline float bf16_to_float(uint16_t bits) { return bits_to_float((uint32_t)bits << 16); }
 
 #define LOAD_F32(p, i) ((p)[i])
 #define LOAD_BF16(p, i) bf16_to_float((p)[i])
+
+/* A row in lane order, as `row`, an array of floats. fp32: element k in lane k, the row read
+ * where it lies (a copy to a local array made GCC 12 load it one float at a time: fp32 sums 2.7x
+ * slower). bf16: the row read as 16 words of 32 bits, word k's low half (element 2k on a
+ * little-endian CPU) in lane k, its high half in lane 16 + k. A high half is already the fp32 of
+ * its bf16 and a low half one shift from it, so the compiler widens a row with two shifts or
+ * masks of a whole register; lanes in element order took a zero-extend per 16 elements more, and
+ * the bf16 sum ran at 8.7 G elements/s a thread in cache against 11.4. */
+#define ROW_F32(p, row) const float *row = (p)
+#define ROW_BF16(p, row)                                                                        \
+    float row[ROW_BYTES / 2];                                                                   \
+    widen_bf16_row(p, row)
+static inline void widen_bf16_row(const uint16_t *p, float *row) {
+    uint32_t words[ROW_BYTES / 4];
+    memcpy(words, p, sizeof words);
+    for (int k = 0; k < ROW_BYTES / 4; k++) row[k] = bits_to_float(words[k] << 16);
+    for (int k = 0; k < ROW_BYTES / 4; k++)
+        row[ROW_BYTES / 4 + k] = bits_to_float(words[k] & 0xFFFF0000u);
+}
 
 /* Each row asks for the cache line PREFETCH_BYTES ahead of it: the hardware prefetcher alone kept
  * too few loads in flight. Measured from memory on this project's 2-core CPU (256M elements, two
  * threads): bf16 squares at 4.1 G elements/s without a prefetch, 10.6 with one (PyTorch's
  * vector_norm 5.6); fp32 at 4.4 and 6.7 (PyTorch 3.8). The prefetch was first issued for a
- * whole block of 512 elements at the block's start; one per row, with the lanes kept through the
- * chunk instead of summed every 512 elements, took bf16's pass over benchmarks/bench_core.py's
- * set from 20.5 to 16.9 ms (the bare read of its bytes: 17.9), fp32's unchanged. A prefetch never
- * faults, past a tensor's end or a truncated map's. */
+ * whole block of 512 elements at the block's start, and the lanes summed at each block's end;
+ * a prefetch per row and lanes kept through the chunk took the bf16 sum over
+ * benchmarks/bench_core.py's set from 20.5 to 16.9 ms, its rows widened as ROW_BF16 does and one
+ * thread team a call to 12.5-15 ms, where a bare read of its bytes takes 12.3-17.9 (the
+ * machine's memory is shared). A prefetch never faults, past a tensor's end or a truncated
+ * map's. */
 #define PREFETCH_BYTES 2048
 static inline void prefetch_row(const void *row) {
     __builtin_prefetch((const char *)row + PREFETCH_BYTES);
 }
 
+/* The tensors of a call that take a thread team share one. A team woken per tensor cost its
+ * wake-up each time, the more as the pass grew faster: over benchmarks/bench_core.py's bf16 set
+ * (297 tensors), 17.6 ms with a team per tensor against 14.1 with threads that never sleep. */
+static int takes_team(int64_t n, int32_t threads) {
+    return threads > 1 && (n + CHUNK - 1) / CHUNK >= PARALLEL_CHUNKS;
+}
+
+/* A chunk of a tensor of a call: the tensor's index and the chunk's first element. */
+struct piece {
+    int32_t tensor;
+    int64_t start;
+};
+
+/* The chunks of the tensors among ns[0..count) that take a team, tensor by tensor and in order
+ * within each, in *pieces (malloc'ed, NULL when none). Returns their number, or -1 if out of
+ * memory. */
+static int64_t team_pieces(const int64_t *ns, int32_t count, int32_t threads,
+                           struct piece **pieces) {
+    int64_t total = 0;
+    for (int32_t i = 0; i < count; i++)
+        if (takes_team(ns[i], threads)) total += (ns[i] + CHUNK - 1) / CHUNK;
+    *pieces = NULL;
+    if (total == 0) return 0;
+    *pieces = malloc(total * sizeof(struct piece));
+    if (*pieces == NULL) return -1;
+    int64_t next = 0;
+    for (int32_t i = 0; i < count; i++) {
+        if (!takes_team(ns[i], threads)) continue;
+        for (int64_t start = 0; start < ns[i]; start += CHUNK)
+            (*pieces)[next++] = (struct piece){i, start};
+    }
+    return total;
+}
+
+static inline int64_t piece_length(const struct piece *piece, const int64_t *ns) {
+    const int64_t left = ns[piece->tensor] - piece->start;
+    return left < CHUNK ? left : CHUNK;
+}
+
 /* The kernel for one element type: chunk_stats and the exported entry points. */
-#define DEFINE_FUSED(NAME, TYPE, LOAD)                                                          \
+#define DEFINE_FUSED(NAME, TYPE, LOAD, ROW)                                                     \
     /* One chunk of len elements: its sums of squares and of magnitudes, and its zeros and     \
      * peak added to the running ones. */                                                       \
     static void chunk_stats_##NAME(const TYPE *p, int64_t len, double *squares_out,            \
@@ -78,34 +139,36 @@ static inline void prefetch_row(const void *row) {
         int64_t i = 0;                                                                          \
         for (; i + LANES <= len; i += LANES) {                                                  \
             prefetch_row(p + i);                                                                \
+            ROW(p + i, row);                                                                    \
             for (int k = 0; k < LANES; k++) {                                                   \
-                const float v = LOAD(p, i + k), a = fabsf(v);                                   \
+                const float a = fabsf(row[k]);                                                  \
                 const double wide = a;                                                          \
                 squares[k] += wide * wide;                                                      \
                 magnitudes[k] += wide;                                                          \
                 largest[k] = a > largest[k] ? a : largest[k];                                   \
-                zero_lanes[k] += v == 0.0f;                                                     \
+                zero_lanes[k] += row[k] == 0.0f;                                                \
             }                                                                                   \
         }                                                                                       \
+        double tail_squares = 0.0, tail_magnitudes = 0.0;                                       \
+        float m = *peak;                                                                        \
+        int64_t z = 0;                                                                          \
         for (; i < len; i++) {                                                                  \
             const float v = LOAD(p, i), a = fabsf(v);                                           \
             const double wide = a;                                                              \
-            squares[0] += wide * wide;                                                          \
-            magnitudes[0] += wide;                                                              \
-            largest[0] = a > largest[0] ? a : largest[0];                                       \
-            zero_lanes[0] += v == 0.0f;                                                         \
+            tail_squares += wide * wide;                                                        \
+            tail_magnitudes += wide;                                                            \
+            m = a > m ? a : m;                                                                  \
+            z += v == 0.0f;                                                                     \
         }                                                                                       \
         double s = 0.0, t = 0.0;                                                                \
-        float m = *peak;                                                                        \
-        int64_t z = 0;                                                                          \
         for (int k = 0; k < LANES; k++) {                                                       \
             s += squares[k];                                                                    \
             t += magnitudes[k];                                                                 \
             m = largest[k] > m ? largest[k] : m;                                                \
             z += zero_lanes[k];                                                                 \
         }                                                                                       \
-        *squares_out = s;                                                                       \
-        *magnitudes_out = t;                                                                    \
+        *squares_out = s + tail_squares;                                                        \
+        *magnitudes_out = t + tail_magnitudes;                                                  \
         *zeros += z;                                                                            \
         *peak = m;                                                                              \
     }                                                                                           \
@@ -120,7 +183,7 @@ static inline void prefetch_row(const void *row) {
         int64_t zero_count = 0;                                                                 \
         float peak = 0.0f;                                                                      \
         double total = 0.0, total_abs = 0.0;                                                    \
-        if (chunks < PARALLEL_CHUNKS || threads <= 1) {                                         \
+        if (!takes_team(n, threads)) {                                                          \
             for (int64_t chunk = 0; chunk < chunks; chunk++) {                                  \
                 const int64_t start = chunk * CHUNK;                                            \
                 const int64_t end = start + CHUNK < n ? start + CHUNK : n;                      \
@@ -155,20 +218,56 @@ static inline void prefetch_row(const void *row) {
     }                                                                                           \
                                                                                                 \
     /* The same for each of count tensors, in one call (a rank file's small tensors: a call     \
-     * from Python costs more than such a tensor's pass). Returns 0, or -1 if out of memory. */ \
+     * from Python costs more than such a tensor's pass), the large ones sharing one team: each \
+     * tensor's chunk sums are added in order as above, so each tensor gets the same bits.     \
+     * Returns 0, or -1 if out of memory. */                                                    \
     int32_t gradstat_fused_many_##NAME(const TYPE *const *xs, const int64_t *ns, int32_t count, \
                                        int32_t threads, double *sum_squares, double *sum_abs,   \
                                        int64_t *zeros, float *max_abs, int32_t *has_nan) {      \
         for (int32_t i = 0; i < count; i++) {                                                   \
-            if (gradstat_fused_##NAME(xs[i], ns[i], threads, sum_squares + i, sum_abs + i,      \
-                                      zeros + i, max_abs + i, has_nan + i) != 0)                \
-                return -1;                                                                      \
+            if (!takes_team(ns[i], threads))                                                    \
+                gradstat_fused_##NAME(xs[i], ns[i], 1, sum_squares + i, sum_abs + i, zeros + i, \
+                                      max_abs + i, has_nan + i);                                \
         }                                                                                       \
+        struct piece *pieces;                                                                   \
+        const int64_t total = team_pieces(ns, count, threads, &pieces);                         \
+        if (total <= 0) return (int32_t)total;                                                  \
+        double *sums = malloc(2 * total * sizeof(double));                                      \
+        int64_t *piece_zeros = calloc(total, sizeof(int64_t));                                  \
+        float *peaks = calloc(total, sizeof(float));                                            \
+        if (sums == NULL || piece_zeros == NULL || peaks == NULL) {                             \
+            free(pieces); free(sums); free(piece_zeros); free(peaks);                           \
+            return -1;                                                                          \
+        }                                                                                       \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                       \
+        for (int64_t j = 0; j < total; j++) {                                                   \
+            chunk_stats_##NAME(xs[pieces[j].tensor] + pieces[j].start,                          \
+                               piece_length(pieces + j, ns), sums + j, sums + total + j,        \
+                               piece_zeros + j, peaks + j);                                     \
+        }                                                                                       \
+        for (int64_t j = 0; j < total;) {                                                       \
+            const int32_t i = pieces[j].tensor;                                                 \
+            double squares = 0.0, magnitudes = 0.0;                                             \
+            int64_t zero_count = 0;                                                             \
+            float peak = 0.0f;                                                                  \
+            for (; j < total && pieces[j].tensor == i; j++) {                                   \
+                squares += sums[j];                                                             \
+                magnitudes += sums[total + j];                                                  \
+                zero_count += piece_zeros[j];                                                   \
+                peak = peaks[j] > peak ? peaks[j] : peak;                                       \
+            }                                                                                   \
+            sum_squares[i] = squares;                                                           \
+            sum_abs[i] = magnitudes;                                                            \
+            zeros[i] = zero_count;                                                              \
+            max_abs[i] = peak;                                                                  \
+            has_nan[i] = isnan(squares);                                                        \
+        }                                                                                       \
+        free(pieces); free(sums); free(piece_zeros); free(peaks);                               \
         return 0;                                                                               \
     }
 
-DEFINE_FUSED(f32, float, LOAD_F32)
-DEFINE_FUSED(bf16, uint16_t, LOAD_BF16)
+DEFINE_FUSED(f32, float, LOAD_F32, ROW_F32)
+DEFINE_FUSED(bf16, uint16_t, LOAD_BF16, ROW_BF16)
 
 /* One sum alone, of squares or of magnitudes: the norm's pass, which needs nothing else (the
  * fused pass's zero count, peak and other sum cost it about half its time on bf16). Its lanes,
@@ -177,30 +276,28 @@ DEFINE_FUSED(bf16, uint16_t, LOAD_BF16)
 #define SQUARE(v) ((double)(v) * (double)(v)) /* exact, as the fused pass's square of |v| */
 #define MAGNITUDE(v) ((double)fabsf(v))
 
-#define DEFINE_SUM(NAME, TYPE, LOAD, TERM)                                                      \
+#define DEFINE_SUM(NAME, TYPE, LOAD, ROW, TERM)                                                 \
     static double chunk_sum_##NAME(const TYPE *p, int64_t len) {                                \
         enum { LANES = ROW_BYTES / sizeof(TYPE) };                                              \
         double lanes[LANES] = {0};                                                              \
         int64_t i = 0;                                                                          \
         for (; i + LANES <= len; i += LANES) {                                                  \
             prefetch_row(p + i);                                                                \
-            for (int k = 0; k < LANES; k++) {                                                   \
-                lanes[k] += TERM(LOAD(p, i + k));                                               \
-            }                                                                                   \
+            ROW(p + i, row);                                                                    \
+            for (int k = 0; k < LANES; k++) lanes[k] += TERM(row[k]);                           \
         }                                                                                       \
-        for (; i < len; i++) {                                                                  \
-            lanes[0] += TERM(LOAD(p, i));                                                       \
-        }                                                                                       \
+        double tail = 0.0;                                                                      \
+        for (; i < len; i++) tail += TERM(LOAD(p, i));                                          \
         double s = 0.0;                                                                         \
         for (int k = 0; k < LANES; k++) s += lanes[k];                                          \
-        return s;                                                                               \
+        return s + tail;                                                                        \
     }                                                                                           \
                                                                                                 \
     /* Over n elements: the sum into *out. Returns 0, or -1 if out of memory. */                \
     int32_t gradstat_sum_##NAME(const TYPE *x, int64_t n, int32_t threads, double *out) {      \
         const int64_t chunks = (n + CHUNK - 1) / CHUNK;                                         \
         double total = 0.0;                                                                     \
-        if (chunks < PARALLEL_CHUNKS || threads <= 1) {                                         \
+        if (!takes_team(n, threads)) {                                                          \
             for (int64_t chunk = 0; chunk < chunks; chunk++) {                                  \
                 const int64_t start = chunk * CHUNK;                                            \
                 total += chunk_sum_##NAME(x + start, start + CHUNK < n ? CHUNK : n - start);    \
@@ -221,19 +318,40 @@ DEFINE_FUSED(bf16, uint16_t, LOAD_BF16)
         return 0;                                                                               \
     }                                                                                           \
                                                                                                 \
-    /* The sum of each of count tensors, in one call. Returns 0, or -1 if out of memory. */     \
+    /* The sum of each of count tensors, in one call, the large ones sharing one team (each     \
+     * gets gradstat_sum's bits). Returns 0, or -1 if out of memory. */                         \
     int32_t gradstat_sum_many_##NAME(const TYPE *const *xs, const int64_t *ns, int32_t count,   \
                                      int32_t threads, double *out) {                            \
         for (int32_t i = 0; i < count; i++) {                                                   \
-            if (gradstat_sum_##NAME(xs[i], ns[i], threads, out + i) != 0) return -1;            \
+            if (!takes_team(ns[i], threads)) gradstat_sum_##NAME(xs[i], ns[i], 1, out + i);     \
         }                                                                                       \
+        struct piece *pieces;                                                                   \
+        const int64_t total = team_pieces(ns, count, threads, &pieces);                         \
+        if (total <= 0) return (int32_t)total;                                                  \
+        double *sums = malloc(total * sizeof(double));                                          \
+        if (sums == NULL) {                                                                     \
+            free(pieces);                                                                       \
+            return -1;                                                                          \
+        }                                                                                       \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                       \
+        for (int64_t j = 0; j < total; j++) {                                                   \
+            sums[j] = chunk_sum_##NAME(xs[pieces[j].tensor] + pieces[j].start,                  \
+                                       piece_length(pieces + j, ns));                           \
+        }                                                                                       \
+        for (int64_t j = 0; j < total;) {                                                       \
+            const int32_t i = pieces[j].tensor;                                                 \
+            double sum = 0.0;                                                                   \
+            for (; j < total && pieces[j].tensor == i; j++) sum += sums[j];                     \
+            out[i] = sum;                                                                       \
+        }                                                                                       \
+        free(pieces); free(sums);                                                               \
         return 0;                                                                               \
     }
 
-DEFINE_SUM(squares_f32, float, LOAD_F32, SQUARE)
-DEFINE_SUM(squares_bf16, uint16_t, LOAD_BF16, SQUARE)
-DEFINE_SUM(abs_f32, float, LOAD_F32, MAGNITUDE)
-DEFINE_SUM(abs_bf16, uint16_t, LOAD_BF16, MAGNITUDE)
+DEFINE_SUM(squares_f32, float, LOAD_F32, ROW_F32, SQUARE)
+DEFINE_SUM(squares_bf16, uint16_t, LOAD_BF16, ROW_BF16, SQUARE)
+DEFINE_SUM(abs_f32, float, LOAD_F32, ROW_F32, MAGNITUDE)
+DEFINE_SUM(abs_bf16, uint16_t, LOAD_BF16, ROW_BF16, MAGNITUDE)
 
 /* The guard of mapped files (see gradstat/snapshot/container.py).
  *
