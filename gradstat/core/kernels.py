@@ -133,18 +133,29 @@ class _RowNorms:
         if tail.numel():
             self.add_exact(tail)
 
-    def add_exact(self, flat: Tensor) -> None:
-        """Add ``flat`` in float64 throughout (a copy, so that a slice of a reused upcast
-        buffer is not overwritten later)."""
-        self.exact.append(flat.to(torch.float64, copy=True))
+    def add_exact(self, flat: Tensor, *, kept: bool = False) -> None:
+        """Add ``flat`` in float64 throughout. ``kept``: it stays as it is until the sum (a
+        caller's gradient); else it is copied now (a slice of a reused upcast buffer would be
+        overwritten later)."""
+        self.exact.append(flat if kept else flat.clone())
         self.exact_elements += flat.numel()
-        if self.exact_elements >= UPCAST_BLOCK:  # bound the copies kept: fold them in
+        if self.exact_elements >= UPCAST_BLOCK:  # bound the pieces kept: fold them in
             self.folded += self._power_sum(self.exact)
             self.exact, self.exact_elements = [], 0
 
     def _power_sum(self, pieces: list[Tensor]) -> Tensor:
-        flat = torch.cat([piece.to(self.device, torch.float64) for piece in pieces])
-        return flat.abs_().pow_(self.p).sum()
+        """The float64 sum of |x|^p over ``pieces``. Pieces of one dtype and device are joined
+        before they are widened: one conversion for all of them, where one a piece made 20,000
+        tensors of 512 elements cost 2.8x PyTorch's norm. ``torch.cat`` copies, so nothing is
+        written into a piece."""
+        same: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+        for piece in pieces:
+            same.setdefault((piece.dtype, piece.device), []).append(piece)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for group in same.values():
+            flat = torch.cat(group).to(self.device, torch.float64)
+            total += flat.abs_().pow_(self.p).sum()
+        return total
 
     def total(self) -> Tensor:
         total = self.folded.clone()
@@ -209,7 +220,7 @@ def _rows_power_sum(grads: Sequence[Tensor], p: int, device: torch.device) -> Te
             continue
         flat = grad.reshape(-1)
         if flat.numel() <= EXACT_ELEMENTS and flat.dtype != torch.float64:
-            rows.add_exact(flat)
+            rows.add_exact(flat, kept=True)
             continue
         if flat.dtype in (torch.float32, torch.float64):
             rows.add(flat)
