@@ -7,9 +7,9 @@
  * Sums are float64 throughout: an fp32 (or bf16) value's square and magnitude are exact in a
  * double, so each element enters its sum exactly, and the only rounding is the float64 additions,
  * in an order this file fixes: a CHUNK is read in rows of one cache line (16 fp32 or 32 bf16
- * elements, each in a fixed lane of the row, see ROW_F32 and ROW_BF16), each lane summed over the
- * rows in order and the elements past the last whole row in a sum of their own; then the lanes
- * in order, that sum last, and the chunks in order. No element's sum takes more than 2048 + 32 +
+ * elements, element k of a row in lane k), each lane summed over the rows in order and the
+ * elements past the last whole row in a sum of their own; then the lanes in order, that sum
+ * last, and the chunks in order. No element's sum takes more than 2048 + 32 +
  * chunks additions (that depth times 2^-53 bounds the relative error of a sum of squares or of
  * magnitudes: 2.6e-13 for 1e7 elements), whatever the CPU's vector width: the compiler may not
  * reorder float additions without -ffast-math. They are not free: against fp32 lanes, measured
@@ -42,35 +42,23 @@
 #define PARALLEL_CHUNKS 4 /* fewer chunks than this (512 KiB of fp32): no thread team */
 #define ROW_BYTES 64   /* a row of lanes is one cache line: 16 fp32 lanes, 32 bf16 lanes */
 
-static inline float bits_to_float(uint32_t bits) {
+/* A bf16 value is the upper half of the fp32 with the same bits. */
+static inline float bf16_to_float(uint16_t bits) {
+    const uint32_t wide = (uint32_t)bits << 16;
     float value;
-    memcpy(&value, &bits, sizeof value);
+    memcpy(&value, &wide, sizeof value);
     return value;
 }
-/* A bf16 value is the upper half of the fp32 with the same bits. */
-static inline float bf16_to_float(uint16_t bits) { return bits_to_float((uint32_t)bits << 16); }
 
 #define LOAD_F32(p, i) ((p)[i])
 #define LOAD_BF16(p, i) bf16_to_float((p)[i])
 
-/* A row in lane order, as `row`, an array of floats. fp32: element k in lane k, the row read
- * where it lies (a copy to a local array made GCC 12 load it one float at a time: fp32 sums 2.7x
- * slower). bf16: the row read as 16 words of 32 bits, word k's low half (element 2k on a
- * little-endian CPU) in lane k, its high half in lane 16 + k. A high half is already the fp32 of
- * its bf16 and a low half one shift from it, so the compiler widens a row with two shifts or
- * masks of a whole register; lanes in element order took a zero-extend per 16 elements more, and
- * the bf16 sum ran at 8.7 G elements/s a thread in cache against 11.5. */
-#define ROW_F32(p, row) const float *row = (p)
-#define ROW_BF16(p, row)                                                                        \
-    float row[ROW_BYTES / 2];                                                                   \
-    widen_bf16_row(p, row)
-static inline void widen_bf16_row(const uint16_t *p, float *row) {
-    uint32_t words[ROW_BYTES / 4];
-    memcpy(words, p, sizeof words);
-    for (int k = 0; k < ROW_BYTES / 4; k++) row[k] = bits_to_float(words[k] << 16);
-    for (int k = 0; k < ROW_BYTES / 4; k++)
-        row[ROW_BYTES / 4 + k] = bits_to_float(words[k] & 0xFFFF0000u);
-}
+/* A row's lanes hold its elements in order, read where they lie. Two other ways were measured
+ * on 2026-12-04 (one thread, in cache, GCC 12). Copying a row to a local array first made GCC load
+ * fp32 one float at a time (2.7x slower). bf16 rows read as 32-bit words, each word's low half
+ * shifted and its high half masked into lanes of their own, summed at 11.5 G elements/s with
+ * AVX-512 against 8.6 in element order, but at 1.9 when built for AVX2 (GCC kept the lanes in
+ * memory); a kernel must sum in one order on every CPU, so the elements stay in order. */
 
 /* Each row asks for the cache line PREFETCH_BYTES ahead of it: the hardware prefetcher alone kept
  * too few loads in flight. Measured from memory on this project's 2-core CPU (256M elements, two
@@ -78,9 +66,8 @@ static inline void widen_bf16_row(const uint16_t *p, float *row) {
  * vector_norm 5.6); fp32 at 4.4 and 6.7 (PyTorch 3.8). The prefetch was first issued for a
  * whole block of 512 elements at the block's start, and the lanes summed at each block's end;
  * a prefetch per row and lanes kept through the chunk took the bf16 sum over
- * benchmarks/bench_core.py's set from 20.5 to 16.9 ms, its rows widened as ROW_BF16 does and one
- * thread team a call to 12.5-15 ms, where a bare read of its bytes takes 12.3-17.9 (the
- * machine's memory is shared). A prefetch never faults, past a tensor's end or a truncated
+ * benchmarks/bench_core.py's set from 20.5 to 16.9 ms (a bare read of its bytes: 12.3-17.9 ms,
+ * the machine's memory being shared). A prefetch never faults, past a tensor's end or a truncated
  * map's. */
 #define PREFETCH_BYTES 2048
 static inline void prefetch_row(const void *row) {
@@ -127,7 +114,7 @@ static inline int64_t piece_length(const struct piece *piece, const int64_t *ns)
 }
 
 /* The kernel for one element type: chunk_stats and the exported entry points. */
-#define DEFINE_FUSED(NAME, TYPE, LOAD, ROW)                                                     \
+#define DEFINE_FUSED(NAME, TYPE, LOAD)                                                          \
     /* One chunk of len elements: its sums of squares and of magnitudes, and its zeros and     \
      * peak added to the running ones. */                                                       \
     static void chunk_stats_##NAME(const TYPE *p, int64_t len, double *squares_out,            \
@@ -139,14 +126,14 @@ static inline int64_t piece_length(const struct piece *piece, const int64_t *ns)
         int64_t i = 0;                                                                          \
         for (; i + LANES <= len; i += LANES) {                                                  \
             prefetch_row(p + i);                                                                \
-            ROW(p + i, row);                                                                    \
+            const TYPE *row = p + i;                                                            \
             for (int k = 0; k < LANES; k++) {                                                   \
-                const float a = fabsf(row[k]);                                                  \
+                const float v = LOAD(row, k), a = fabsf(v);                                     \
                 const double wide = a;                                                          \
                 squares[k] += wide * wide;                                                      \
                 magnitudes[k] += wide;                                                          \
                 largest[k] = a > largest[k] ? a : largest[k];                                   \
-                zero_lanes[k] += row[k] == 0.0f;                                                \
+                zero_lanes[k] += v == 0.0f;                                                     \
             }                                                                                   \
         }                                                                                       \
         double tail_squares = 0.0, tail_magnitudes = 0.0;                                       \
@@ -266,8 +253,8 @@ static inline int64_t piece_length(const struct piece *piece, const int64_t *ns)
         return 0;                                                                               \
     }
 
-DEFINE_FUSED(f32, float, LOAD_F32, ROW_F32)
-DEFINE_FUSED(bf16, uint16_t, LOAD_BF16, ROW_BF16)
+DEFINE_FUSED(f32, float, LOAD_F32)
+DEFINE_FUSED(bf16, uint16_t, LOAD_BF16)
 
 /* One sum alone, of squares or of magnitudes: the norm's pass, which needs nothing else (the
  * fused pass's zero count, peak and other sum cost it about half its time on bf16). Its lanes,
@@ -276,15 +263,15 @@ DEFINE_FUSED(bf16, uint16_t, LOAD_BF16, ROW_BF16)
 #define SQUARE(v) ((double)(v) * (double)(v)) /* exact, as the fused pass's square of |v| */
 #define MAGNITUDE(v) ((double)fabsf(v))
 
-#define DEFINE_SUM(NAME, TYPE, LOAD, ROW, TERM)                                                 \
+#define DEFINE_SUM(NAME, TYPE, LOAD, TERM)                                                      \
     static double chunk_sum_##NAME(const TYPE *p, int64_t len) {                                \
         enum { LANES = ROW_BYTES / sizeof(TYPE) };                                              \
         double lanes[LANES] = {0};                                                              \
         int64_t i = 0;                                                                          \
         for (; i + LANES <= len; i += LANES) {                                                  \
             prefetch_row(p + i);                                                                \
-            ROW(p + i, row);                                                                    \
-            for (int k = 0; k < LANES; k++) lanes[k] += TERM(row[k]);                           \
+            const TYPE *row = p + i;                                                            \
+            for (int k = 0; k < LANES; k++) lanes[k] += TERM(LOAD(row, k));                     \
         }                                                                                       \
         double tail = 0.0;                                                                      \
         for (; i < len; i++) tail += TERM(LOAD(p, i));                                          \
@@ -348,10 +335,10 @@ DEFINE_FUSED(bf16, uint16_t, LOAD_BF16, ROW_BF16)
         return 0;                                                                               \
     }
 
-DEFINE_SUM(squares_f32, float, LOAD_F32, ROW_F32, SQUARE)
-DEFINE_SUM(squares_bf16, uint16_t, LOAD_BF16, ROW_BF16, SQUARE)
-DEFINE_SUM(abs_f32, float, LOAD_F32, ROW_F32, MAGNITUDE)
-DEFINE_SUM(abs_bf16, uint16_t, LOAD_BF16, ROW_BF16, MAGNITUDE)
+DEFINE_SUM(squares_f32, float, LOAD_F32, SQUARE)
+DEFINE_SUM(squares_bf16, uint16_t, LOAD_BF16, SQUARE)
+DEFINE_SUM(abs_f32, float, LOAD_F32, MAGNITUDE)
+DEFINE_SUM(abs_bf16, uint16_t, LOAD_BF16, MAGNITUDE)
 
 /* The guard of mapped files (see gradstat/snapshot/container.py).
  *
