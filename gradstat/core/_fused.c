@@ -9,10 +9,10 @@
  * in an order this file fixes: a CHUNK is read in rows of one cache line (16 fp32 or 32 bf16
  * elements, element k of a row in lane k), each lane summed over the rows in order and the
  * elements past the last whole row in a sum of their own; then the lanes in order, that sum
- * last, and the chunks in order. No element's sum takes more than 2048 + 32 +
- * chunks additions (that depth times 2^-53 bounds the relative error of a sum of squares or of
- * magnitudes: 2.6e-13 for 1e7 elements), whatever the CPU's vector width: the compiler may not
- * reorder float additions without -ffast-math. They are not free: against fp32 lanes, measured
+ * last, and the chunks in order. No element's sum takes more than 2048 + 32 + chunks additions
+ * (that depth times 2^-53 bounds the relative error of a sum of squares or of magnitudes:
+ * 2.6e-13 for 1e7 elements), whatever the CPU's vector width: the compiler may not reorder float
+ * additions without -ffast-math. They are not free: against fp32 lanes, measured
  * on this project's 2-core CPU, 1.2x on fp32 data read from memory and 1.4x on data in cache.
  * A norm takes one sum alone (gradstat_sum_*), about twice the fused pass's speed on bf16.
  *
