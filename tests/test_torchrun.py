@@ -194,3 +194,29 @@ def test_the_same_snapshot_in_other_places_is_the_same_snapshot(tmp_path: Path) 
     alone = _run("norm", str(SAMPLES / "tp2-pp2-dp2-ep2-distopt"), "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["total_norm"] == json.loads(alone.stdout)["total_norm"]
+
+
+def test_a_rank_file_identity_is_its_size_and_whole_header(tmp_path: Path) -> None:
+    """The digest's reading of one file: its size and every byte of its header, however long
+    the header (one read or two), and nothing of the data after it."""
+    from gradstat.distributed.runner import _IDENTITY_READ, _rank_file_identity
+
+    def write(name: str, header: bytes, data: bytes) -> bytes:
+        path = tmp_path / name
+        path.write_bytes(len(header).to_bytes(8, "little") + header + data)
+        return bytes(path)
+
+    for header_len in (16, _IDENTITY_READ - 8, _IDENTITY_READ - 7, 3 * _IDENTITY_READ):
+        header = b"{" + b" " * (header_len - 2) + b"}"
+        changed_last = header[:-2] + b"x}"
+        same = _rank_file_identity(write("a", header, b"data"))
+        assert same == b"%d\0%s" % (8 + header_len + 4, len(header).to_bytes(8, "little") + header)
+        assert _rank_file_identity(write("b", header, b"DATA")) == same  # the data is not read
+        assert _rank_file_identity(write("c", changed_last, b"data")) != same
+        assert _rank_file_identity(write("d", header, b"data!")) != same  # another size
+    # A header length past the file's end: what there is; a file too short for one: its bytes.
+    cut = tmp_path / "cut"
+    cut.write_bytes((1 << 20).to_bytes(8, "little") + b"{}")
+    assert _rank_file_identity(bytes(cut)) == b"10\0" + cut.read_bytes()
+    cut.write_bytes(b"abc")
+    assert _rank_file_identity(bytes(cut)) == b"3\0abc"
