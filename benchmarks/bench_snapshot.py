@@ -11,7 +11,19 @@ process, from launch to exit, as a user waits for it (peak RSS from ``wait4``):
   compare DIR DIR`` (two reductions and every tensor rebuilt twice).
 
 Prints the median of per-repeat time ratios ours/peer, the ratio of the fastest times, and each
-side's peak RSS against the snapshot's size. The files stay in the page cache between runs
+side's peak RSS against the snapshot's size.
+
+``--device cuda`` (issue 30 item 4: the command line on a GPU) times three sides instead, each
+also on a one-tensor snapshot, so that the time beyond each process's start (Python, torch,
+the CUDA context) gives its throughput in GB/s of the snapshot's bytes:
+
+- ours: ``python -m gradstat norm --device cuda DIR``;
+- cpu: the same command on the CPU (``python -m gradstat norm DIR``);
+- peer: a Python process that opens each file with ``safe_open``, copies each tensor to the GPU
+  with ``.cuda()`` and sums it there, and reads the total once;
+
+and, once, the host-to-device link: a 1 GiB copy from pinned memory, the fastest of five, which
+each side's GB/s is also given as a fraction of. The files stay in the page cache between runs
 (a warm-up pass of each side runs first), so this measures reading, not the disk. Both sides
 may cache bytecode (``PYTHONDONTWRITEBYTECODE`` is dropped from their environment), as an
 installed package has its ``.pyc`` files.
@@ -19,13 +31,14 @@ installed package has its ``.pyc`` files.
 Usage::
 
     python benchmarks/bench_snapshot.py [--gib 4] [--ranks 8] [--repeats 5] [--dir PATH]
-        [--command norm|audit|compare]
+        [--command norm|audit|compare] [--device cpu|cuda]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import shutil
@@ -38,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-SIDES = ("peer",)
+SIDES = ("peer", "peer-cuda", "link")
 ENV = {name: value for name, value in os.environ.items() if name != "PYTHONDONTWRITEBYTECODE"}
 _SHAPES = ((4096, 1024), (1024, 1024), (2048, 768), (512, 4096), (8192, 512))
 
@@ -82,6 +95,33 @@ def measure(directory: Path) -> dict[str, float]:
     return {"seconds": seconds, "peak_rss": _peak_rss(), "result": total}
 
 
+def measure_cuda(directory: Path) -> dict[str, float]:
+    """The bare GPU pass: each tensor read with safe_open, copied with ``.cuda()``, summed on the
+    GPU into one float64 total, read once at the end."""
+    from safetensors import safe_open
+
+    total = torch.zeros((), dtype=torch.float64, device="cuda")
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as file:
+            for key in file.keys():  # noqa: SIM118 (safe_open is not iterable)
+                total += file.get_tensor(key).cuda().sum(dtype=torch.float64)
+    return {"result": float(total)}
+
+
+def measure_link() -> dict[str, float]:
+    """The host-to-device link: GB/s of a 1 GiB copy from pinned memory, the fastest of five."""
+    host = torch.ones(1 << 28, dtype=torch.float32).pin_memory()
+    device = torch.empty_like(host, device="cuda")
+    best = math.inf
+    for _ in range(6):  # the first warms the copy engine up
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        device.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return {"gbs": host.numel() * host.element_size() / best / 1e9}
+
+
 def _peak_rss() -> float:
     """This process's peak resident set in bytes: VmHWM, which (unlike ru_maxrss) starts anew
     at exec instead of inheriting the parent's peak."""
@@ -93,9 +133,12 @@ def _peak_rss() -> float:
 
 def _run(side: str, directory: Path) -> dict[str, float]:
     """One fresh process, timed from launch to exit as a user waits for it: the peer's pass,
-    or the gradstat command itself (``python -m gradstat norm DIR``, ...)."""
-    if side == "peer":
+    or the gradstat command itself (``python -m gradstat norm DIR``, ...); ``cuda``: that
+    command with ``--device cuda``, ``cpu``: without."""
+    if side in SIDES:
         command = [sys.executable, __file__, "--measure", side, "--dir", str(directory)]
+    elif side in ("cuda", "cpu"):
+        command = [sys.executable, "-m", "gradstat", "norm", str(directory), "--device", side]
     else:
         command = [sys.executable, "-m", "gradstat", "norm" if side == "ours" else side]
         command.append(str(directory))
@@ -137,11 +180,16 @@ def main() -> int:
         default="norm",
         help="what ours runs",
     )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--measure", choices=SIDES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
-        print(json.dumps(measure(args.dir)))
+        passes = {"peer": measure, "peer-cuda": measure_cuda}
+        result = measure_link() if args.measure == "link" else passes[args.measure](args.dir)
+        print(json.dumps(result))
         return 0
+    if args.device == "cuda" and args.command != "norm":
+        parser.error("--device cuda times gradstat norm only")
     temporary = args.dir is None
     directory = Path(tempfile.mkdtemp(prefix="gradstat-bench-")) if temporary else args.dir
     try:
@@ -151,6 +199,9 @@ def main() -> int:
             )
             write_snapshot(directory, args.gib, args.ranks)
         size = sum(path.stat().st_size for path in directory.glob("*.safetensors"))
+        if args.device == "cuda":
+            _compare_on_cuda(directory, size, args.repeats)
+            return 0
         mine = "ours" if args.command == "norm" else args.command
         _run("peer", directory), _run(mine, directory)  # warm the page cache
         peers, ours = [], []
@@ -188,6 +239,66 @@ def main() -> int:
         if temporary:
             shutil.rmtree(directory, ignore_errors=True)
     return 0
+
+
+def _compare_on_cuda(directory: Path, size: int, repeats: int) -> None:
+    """Issue 30 item 4: ``gradstat norm --device cuda`` against the same command on the CPU and
+    against the bare ``.cuda()`` + sum pass, each as GB/s beyond its process's start."""
+    from gradstat.snapshot import save_rank
+
+    with tempfile.TemporaryDirectory(prefix="gradstat-bench-one-") as one:
+        tiny = Path(one)  # one small tensor: each side's start, to take away
+        holder = type("Shard", (), {})()
+        holder.grad = torch.ones(1024)
+        holder.shape, holder.tensor_model_parallel, holder.partition_dim = (1024,), True, 0
+        save_rank(tiny, [("layers.0.weight", holder)], rank=0, world_size=1, coords={"tp": [0, 1]})
+        sides = ("cuda", "cpu", "peer-cuda")
+        whole: dict[str, list[float]] = {side: [] for side in sides}
+        beyond: dict[str, list[float]] = {side: [] for side in sides}
+        for side in sides:  # warm the page cache, the kernel cache and the driver
+            _run(side, directory)
+        for repeat in range(repeats):
+            for side in sides[repeat % 3 :] + sides[: repeat % 3]:
+                start_only = _run(side, tiny)["seconds"]
+                seconds = _run(side, directory)["seconds"]
+                whole[side].append(seconds)
+                beyond[side].append(seconds - start_only)
+    link = json.loads(
+        subprocess.run(
+            [sys.executable, __file__, "--measure", "link"],
+            capture_output=True,
+            text=True,
+            check=True,
+            env=ENV,
+        ).stdout
+    )["gbs"]
+    gib = 1 << 30
+    print(
+        f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, snapshot "
+        f"{size / gib:.2f} GiB, {repeats} repeats; host-to-device link {link:.1f} GB/s "
+        "(1 GiB from pinned memory)\n"
+    )
+    print("| side | whole command | beyond its start | GB/s | of the link |")
+    print("|---|---:|---:|---:|---:|")
+    names = {
+        "cuda": "gradstat norm --device cuda",
+        "cpu": "gradstat norm (CPU)",
+        "peer-cuda": "safe_open + .cuda() + sum",
+    }
+    rates = {}
+    for side in sides:
+        seconds = statistics.median(beyond[side])
+        # Beyond the start, a run shorter than the noise of starting has no rate to give.
+        rates[side] = size / seconds / 1e9 if seconds > 0 else math.nan
+        print(
+            f"| {names[side]} | {statistics.median(whole[side]):.2f} s | {seconds:.3f} s | "
+            f"{rates[side]:.1f} | {rates[side] / link:.0%} |"
+        )
+    print(
+        f"\n--device cuda against the CPU: {rates['cuda'] / rates['cpu']:.2f}x the throughput; "
+        f"against the bare .cuda() + sum pass: {rates['cuda'] / rates['peer-cuda']:.2f}x "
+        "(nan: a snapshot too small to time beyond the start; give a larger --gib)"
+    )
 
 
 if __name__ == "__main__":
