@@ -220,3 +220,25 @@ def test_a_rank_file_identity_is_its_size_and_whole_header(tmp_path: Path) -> No
     assert _rank_file_identity(bytes(cut)) == b"10\0" + cut.read_bytes()
     cut.write_bytes(b"abc")
     assert _rank_file_identity(bytes(cut)) == b"3\0abc"
+
+
+def test_pieces_cross_processes_as_columns_unchanged() -> None:
+    """What a process sends of its pieces (a list per field, through JSON) gives back the same
+    pieces, in order: non-finite norms, a NaN/Inf record, no peak, an expert row, none at all."""
+    import math
+
+    from gradstat.analysis.stats import NonFinite, Piece
+
+    pieces = [
+        Piece(0, "a", False, 12, 0, 3, (1.5, 0.25), 2.0, None),
+        Piece(0, "b", True, 7, 2, 0, (math.inf, math.nan), math.inf, NonFinite(0, "b", 1, 2)),
+        Piece(3, "c[4]", True, 1, 0, 1, (0.0,), None, None, row_of="c"),
+        Piece(5, "d", False, 2**40, 0, 2**33, (1e-300, 3e300), 5e-324, None),
+    ]
+    for sent in (pieces, []):
+        back = Piece.from_columns(json.loads(json.dumps(Piece.to_columns(sent))))
+        assert [repr(piece) for piece in back] == [repr(piece) for piece in sent]
+        assert all(type(piece.norms) is tuple for piece in back)
+    with pytest.raises(ValueError):  # a column short of the others is refused, never cut
+        columns = Piece.to_columns(pieces)
+        Piece.from_columns([*columns[:-1], columns[-1][:-1]])
