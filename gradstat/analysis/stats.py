@@ -544,7 +544,7 @@ def gather_pieces(
 
         return snapshot_pieces(snapshot, request, ranks, after_one)
 
-    def compute(beat: Callable[[int], None]) -> list[dict[str, Any]]:
+    def compute(beat: Callable[[int], None]) -> list[list[Any]]:
         def after_file(rank_file: RankFile) -> None:
             beat(rank_file.size_bytes)
             if on_file is not None:
