@@ -184,6 +184,39 @@ def test_processes_reading_other_snapshots_stop_with_one_line(tmp_path: Path) ->
     assert result.stdout == ""
 
 
+@pytest.mark.parametrize("changed", [False, True])
+def test_views_of_several_processes_split_the_digest(tmp_path: Path, changed: bool) -> None:
+    """Processes 0 and 1 read one copy (one view: they split its digest, files 0, 2, ... and
+    1, 3, ...), process 2 another. Equal copies agree; a header byte changed in a file of
+    process 1's half (its padding: same size, still valid) stops them all."""
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        shutil.copytree(SAMPLES / "tp2-pp2-dp2-ep2-distopt", tmp_path / name / "snapshot")
+    if changed:
+        rank_file = tmp_path / "a" / "snapshot" / "rank-00001.safetensors"
+        data = bytearray(rank_file.read_bytes())
+        end = 8 + int.from_bytes(data[:8], "little")
+        assert data[end - 1 : end] == b" "
+        data[end - 1 : end] = b"\n"
+        rank_file.write_bytes(bytes(data))
+    arguments = ["norm", "snapshot", "--json"]
+    result = _run_each(
+        tmp_path,
+        [(tmp_path / "a", arguments), (tmp_path / "a", arguments), (tmp_path / "b", arguments)],
+    )
+    if not changed:
+        alone = _run("norm", str(SAMPLES / "tp2-pp2-dp2-ep2-distopt"), "--json")
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout)["total_norm"] == json.loads(alone.stdout)["total_norm"]
+        return
+    assert result.returncode != 0
+    assert _error_lines(result.stderr) == [
+        "gradstat: error: process 2 of 3 sees other rank files in snapshot than process 0 "
+        "(names, sizes or headers differ); every process must read the same snapshot"
+    ], result.stderr
+    assert result.stdout == ""
+
+
 def test_the_same_snapshot_in_other_places_is_the_same_snapshot(tmp_path: Path) -> None:
     """The negative control: equal rank files under another working directory are accepted."""
     for name in ("a", "b"):

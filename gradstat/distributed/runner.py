@@ -200,25 +200,24 @@ def agree(
 ) -> None:
     """Stop unless every process was started as process 0 was, on the same snapshot.
 
-    Each process sends its ``arguments`` (the command line it was started with) and a digest
-    of the rank files in ``snapshot_dirs`` (their names, sizes and headers; no gradient is
-    read), so that pieces computed for another norm or from another snapshot are never merged.
+    Each process sends its ``arguments`` (the command line it was started with) and what
+    identifies its view of ``snapshot_dirs`` (see :func:`_view`). Processes that share a view
+    (one node's) see the same files; where there are several views (nodes, or directories
+    given by other paths), the rank files are digested, each view's share split among its
+    processes: their names, sizes and headers, no gradient read. So pieces computed for another
+    norm or from another snapshot are never merged.
 
     Raises:
         StoppedTogether: other arguments or other rank files; quiet but on process 0.
     """
     if processes.size == 1:
         return
-
-    def identify(beat: Callable[[int], None]) -> dict[str, Any]:
-        return {"arguments": list(arguments), "snapshots": _snapshot_digest(snapshot_dirs, beat)}
-
-    everyone = gather(processes, identify)
-    first = everyone[0]
-    if all(theirs == first for theirs in everyone):
-        return
-    started = first["arguments"]
-    others = [rank for rank, theirs in enumerate(everyone) if theirs["arguments"] != started]
+    rank = processes.rank
+    everyone = gather(
+        processes, lambda _: {"arguments": list(arguments), "view": _view(snapshot_dirs, rank)}
+    )
+    started = everyone[0]["arguments"]
+    others = [member for member, theirs in enumerate(everyone) if theirs["arguments"] != started]
     if others:
         example = everyone[others[0]]["arguments"]
         _stop_together(
@@ -228,7 +227,21 @@ def agree(
             f'"gradstat {shlex.join(example)}", process 0 "gradstat '
             f'{shlex.join(started)}"); start every process with the same command',
         )
-    others = [rank for rank, theirs in enumerate(everyone) if theirs != first]
+    views: dict[str, list[int]] = {}
+    for member, theirs in enumerate(everyone):
+        views.setdefault(theirs["view"], []).append(member)
+    if len(views) == 1:
+        return  # one view of the files: every process reads what process 0 reads
+    mine = views[everyone[rank]["view"]]
+    portion = (mine.index(rank), len(mine))
+    parts = gather(processes, lambda beat: _snapshot_identities(snapshot_dirs, portion, beat))
+    digests = {
+        view: _view_digest([parts[member] for member in members]) for view, members in views.items()
+    }
+    first = digests[everyone[0]["view"]]
+    others = [member for member, theirs in enumerate(everyone) if digests[theirs["view"]] != first]
+    if not others:
+        return
     shown = ", ".join(str(directory) for directory in snapshot_dirs)
     _stop_together(
         processes,
@@ -236,6 +249,79 @@ def agree(
         f"rank files in {shown} than process 0 (names, sizes or headers differ); every process "
         f"must read the same snapshot",
     )
+
+
+def _view(snapshot_dirs: Sequence[str | os.PathLike[str]], rank: int) -> str:
+    """What identifies the files this process sees in ``snapshot_dirs``: the machine's boot,
+    the process's mount namespace and each directory's device and inode. Processes with the
+    same view read the same files; one whose view cannot be told (no ``/proc``) has its own,
+    and digests every file."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        mounts = os.readlink("/proc/self/ns/mnt")
+    except OSError:
+        return f"process {rank}"
+    places = []
+    for directory in snapshot_dirs:
+        try:
+            status = os.stat(directory)
+        except OSError as error:
+            places.append(f"unreadable: {error.errno}")
+        else:
+            places.append(f"{status.st_dev}:{status.st_ino}")
+    return "\0".join((boot, mounts, *places))
+
+
+def _snapshot_identities(
+    directories: Sequence[str | os.PathLike[str]],
+    portion: tuple[int, int],
+    beat: Callable[[int], None],
+) -> dict[str, Any]:
+    """A digest of the rank files' names, and a digest of each file of this process's portion
+    (``index, count``: files index, index + count, ... of all, in order) of its name, size and
+    header bytes, the data section unread (``beat`` after each file). A directory or file that
+    cannot be read is digested as such; the reader reports what is wrong with it later.
+
+    Each process of a view digests its portion, so this is paid per file once per view: paths
+    joined as bytes and one read for a small header took it from 15 to 10 us a file (8192
+    small rank files).
+    """
+    names_digest = hashlib.sha256()
+    files: list[bytes] = []
+    for directory in directories:
+        names_digest.update(b"\0directory\0")
+        folder = os.fsencode(directory)
+        try:
+            names = sorted(
+                entry.name for entry in os.scandir(folder) if entry.name.endswith(b".safetensors")
+            )
+        except OSError as error:
+            names_digest.update(f"unreadable: {error.errno}".encode())
+            continue
+        names_digest.update(b"\0".join(names))
+        files += (os.path.join(folder, name) for name in names)
+    index, count = portion
+    digests = []
+    for path in files[index::count]:
+        identity = _rank_file_identity(path)
+        digests.append(hashlib.sha256(b"%s\0%s" % (os.path.basename(path), identity)).hexdigest())
+        beat(0)
+    return {"names": names_digest.hexdigest(), "files": digests}
+
+
+def _view_digest(parts: Sequence[dict[str, Any]]) -> str:
+    """The digest of a view's rank files from its processes' :func:`_snapshot_identities`, in
+    their order (process i's portion: files i, i + count, ...). Processes of one view that
+    listed other names (the directory changed meanwhile) give a digest of their own."""
+    names = {part["names"] for part in parts}
+    if len(names) != 1:
+        return f"changing: {sorted(names)}"
+    digest = hashlib.sha256(names.pop().encode())
+    count = len(parts)
+    total = sum(len(part["files"]) for part in parts)
+    for position in range(total):
+        digest.update(parts[position % count]["files"][position // count].encode())
+    return digest.hexdigest()
 
 
 def together(processes: Processes, work: Callable[[], T]) -> T:
@@ -335,34 +421,6 @@ def _wait_for_first() -> None:
     """
     with suppress(RuntimeError):
         dist.recv(torch.zeros(1), src=0)
-
-
-def _snapshot_digest(
-    directories: Sequence[str | os.PathLike[str]], beat: Callable[[int], None]
-) -> str:
-    """A digest of what identifies the snapshots cheaply: each rank file's name, size and
-    header bytes, the data section unread (``beat`` after each file). A directory or file that
-    cannot be read is digested as such; the reader reports what is wrong with it later.
-
-    Every process digests every file, so each pays this per file: paths joined as bytes and
-    one read for a small header took it from 15 to 10 us a file (8192 small rank files).
-    """
-    digest = hashlib.sha256()
-    for directory in directories:
-        digest.update(b"\0directory\0")
-        folder = os.fsencode(directory)
-        try:
-            names = sorted(
-                entry.name for entry in os.scandir(folder) if entry.name.endswith(b".safetensors")
-            )
-        except OSError as error:
-            digest.update(f"unreadable: {error.errno}".encode())
-            continue
-        for name in names:
-            identity = _rank_file_identity(os.path.join(folder, name))
-            digest.update(b"\0file\0%s\0%d\0%s" % (name, len(identity), identity))
-            beat(0)
-    return digest.hexdigest()
 
 
 # A file's identity is read in one read of this many bytes where its header fits (the small
