@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -275,3 +276,27 @@ def test_pieces_cross_processes_as_columns_unchanged() -> None:
     with pytest.raises(ValueError):  # a column short of the others is refused, never cut
         columns = Piece.to_columns(pieces)
         Piece.from_columns([*columns[:-1], columns[-1][:-1]])
+
+
+def test_file_summaries_cross_processes_as_columns_unchanged() -> None:
+    """What a process sends of the rank files it read (a list per field, through JSON) gives
+    back the same summaries: every header field the checks of the whole read, and the path."""
+    from gradstat.snapshot.reader import FileSummary, Snapshot
+
+    snapshot = Snapshot.open(SAMPLES / "tp2-gtp2-pp2-ep2-bugs")
+    summaries = [FileSummary.of(rank_file) for rank_file in snapshot.files]
+    summaries[1] = FileSummary(
+        summaries[1].directory,
+        summaries[1].name,
+        summaries[1].size_bytes,
+        replace(summaries[1].header, step=None, triggers=("nonfinite", "spike")),
+    )
+    for sent in (summaries, []):
+        columns = json.loads(json.dumps(FileSummary.to_columns(sent)))
+        back = FileSummary.from_columns(SAMPLES / "tp2-gtp2-pp2-ep2-bugs", columns)
+        assert back == sent
+        assert [summary.path for summary in back] == [summary.path for summary in sent]
+    assert summaries[0].path == snapshot.files[0].path
+    with pytest.raises(ValueError):  # a column short of the others is refused, never cut
+        columns = FileSummary.to_columns(summaries)
+        FileSummary.from_columns(SAMPLES, [*columns[:-1], columns[-1][:-1]])

@@ -375,14 +375,14 @@ def open_shared(
         return SnapshotShare(folder, tuple(processes.share(whole.files)), every)
     files: list[RankFile] = []
 
-    def compute(beat: Callable[[int], None]) -> list[dict[str, Any]]:
+    def compute(beat: Callable[[int], None]) -> list[list[Any]]:
         for rank_file in open_rank_files(folder, processes.share(rank_file_names(folder))):
             files.append(rank_file)
             beat(0)
-        return [FileSummary.of(rank_file).to_json() for rank_file in files]
+        return FileSummary.to_columns([FileSummary.of(rank_file) for rank_file in files])
 
     shares = gather(processes, compute)
-    summaries = [FileSummary.from_json(folder, data) for share in shares for data in share]
+    summaries = [summary for share in shares for summary in FileSummary.from_columns(folder, share)]
     return together(processes, lambda: SnapshotShare.assemble(folder, files, summaries))
 
 

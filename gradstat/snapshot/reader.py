@@ -188,9 +188,14 @@ class FileSummary:
     its header without the parameter records. Processes that each read a share of a snapshot
     exchange these (as JSON) to check the whole."""
 
-    path: Path
+    directory: Path
+    name: str  # the path is made when asked for: an error, a report (2.4 us a file)
     size_bytes: int
     header: RankHeader
+
+    @property
+    def path(self) -> Path:
+        return self.directory / self.name
 
     @property
     def rank(self) -> int:
@@ -198,42 +203,49 @@ class FileSummary:
 
     @classmethod
     def of(cls, rank_file: RankFile) -> FileSummary:
-        return cls(rank_file.path, rank_file.size_bytes, replace(rank_file.header, params=()))
+        path = rank_file.path
+        header = replace(rank_file.header, params=())
+        return cls(path.parent, path.name, rank_file.size_bytes, header)
 
-    def to_json(self) -> dict[str, Any]:
-        header = self.header
-        return {
-            "name": self.path.name,
-            "bytes": self.size_bytes,
-            "header": [
-                header.rank,
-                header.world_size,
-                header.step,
-                header.coords,
-                header.distributed_optimizer,
-                header.grad_attr,
-                header.version,
-                header.triggers,
-            ],
-        }
+    @staticmethod
+    def to_columns(summaries: Sequence[FileSummary]) -> list[list[Any]]:
+        """``summaries`` as JSON data, one list per field: what processes that each read a
+        share of a snapshot exchange. Every process decodes every file's, so that part does
+        not shrink with more processes: a list per field decodes faster than an object per
+        file (8192 files: 9.2 us a file as objects, 6.1 as lists)."""
+        headers = [summary.header for summary in summaries]
+        return [
+            [summary.name for summary in summaries],
+            [summary.size_bytes for summary in summaries],
+            *([getattr(header, key) for header in headers] for key in _SUMMARY_FIELDS),
+            [[header.coords[axis] for axis in AXES] for header in headers],
+        ]
 
     @classmethod
-    def from_json(cls, folder: Path, data: Mapping[str, Any]) -> FileSummary:
-        """The summary :meth:`to_json` made of a header a process parsed and checked (it is
-        not parsed again: a rank file's header costs more to parse than its data to reduce)."""
-        rank, world_size, step, coords, optimizer, grad_attr, version, triggers = data["header"]
-        header = RankHeader(
-            rank=rank,
-            world_size=world_size,
-            step=step,
-            coords={axis: (place[0], place[1]) for axis, place in coords.items()},
-            distributed_optimizer=optimizer,
-            grad_attr=grad_attr,
-            params=(),
-            version=version,
-            triggers=tuple(triggers),
-        )
-        return cls(folder / data["name"], data["bytes"], header)
+    def from_columns(cls, folder: Path, columns: Sequence[Sequence[Any]]) -> list[FileSummary]:
+        """The summaries :meth:`to_columns` made of headers another process parsed and checked
+        (they are not parsed again: a rank file's header costs more to parse than its data to
+        reduce)."""
+        summaries = []
+        for name, size, *fields, places in zip(*columns, strict=True):
+            values = dict(zip(_SUMMARY_FIELDS, fields, strict=True))
+            values["triggers"] = tuple(values["triggers"])
+            coords = dict(zip(AXES, map(tuple, places), strict=True))
+            header = RankHeader(**values, coords=coords, params=())
+            summaries.append(cls(folder, name, size, header))
+        return summaries
+
+
+# The header fields of a summary's columns, in order (see FileSummary.to_columns).
+_SUMMARY_FIELDS = (
+    "rank",
+    "world_size",
+    "step",
+    "distributed_optimizer",
+    "grad_attr",
+    "version",
+    "triggers",
+)
 
 
 class _Described:
@@ -327,7 +339,7 @@ class SnapshotShare(_Described):
         Raises:
             SnapshotError: as :meth:`Snapshot.open` raises it for the whole.
         """
-        _check_whole(directory, sorted(summaries, key=lambda summary: summary.path.name))
+        _check_whole(directory, sorted(summaries, key=operator.attrgetter("name")))
         return cls(
             directory,
             tuple(sorted(files, key=lambda file: file.rank)),
