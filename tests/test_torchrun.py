@@ -177,9 +177,13 @@ def test_processes_reading_other_snapshots_stop_with_one_line(tmp_path: Path) ->
         shutil.copytree(SAMPLES / sample, tmp_path / name / "snapshot")
     arguments = ["norm", "snapshot", "--json"]
     result = _run_each(tmp_path, [(tmp_path / "a", arguments), (tmp_path / "b", arguments)])
+    _assert_stopped_seeing_others(result, "process 1 of 2")
+
+
+def _assert_stopped_seeing_others(result: subprocess.CompletedProcess[str], who: str) -> None:
     assert result.returncode != 0
     assert _error_lines(result.stderr) == [
-        "gradstat: error: process 1 of 2 sees other rank files in snapshot than process 0 "
+        f"gradstat: error: {who} sees other rank files in snapshot than process 0 "
         "(names, sizes or headers differ); every process must read the same snapshot"
     ], result.stderr
     assert result.stdout == ""
@@ -210,12 +214,7 @@ def test_views_of_several_processes_split_the_digest(tmp_path: Path, changed: bo
         assert result.returncode == 0, result.stderr
         assert json.loads(result.stdout)["total_norm"] == json.loads(alone.stdout)["total_norm"]
         return
-    assert result.returncode != 0
-    assert _error_lines(result.stderr) == [
-        "gradstat: error: process 2 of 3 sees other rank files in snapshot than process 0 "
-        "(names, sizes or headers differ); every process must read the same snapshot"
-    ], result.stderr
-    assert result.stdout == ""
+    _assert_stopped_seeing_others(result, "process 2 of 3")
 
 
 def test_the_same_snapshot_in_other_places_is_the_same_snapshot(tmp_path: Path) -> None:
