@@ -299,3 +299,29 @@ def test_file_summaries_cross_processes_as_columns_unchanged() -> None:
     with pytest.raises(ValueError):  # a column short of the others is refused, never cut
         columns = FileSummary.to_columns(summaries)
         FileSummary.from_columns(SAMPLES, [*columns[:-1], columns[-1][:-1]])
+
+
+def test_merge_gives_a_parameter_the_norms_that_adding_to_zero_gives() -> None:
+    """A parameter's first piece is taken as it is, its next ones added with ``add_norms``:
+    the totals are those of adding every piece to zero, in order, whatever the values."""
+    import math
+
+    from gradstat.analysis.stats import Piece, Request, merge
+    from gradstat.core.kernels import add_norms
+
+    request = Request.make((2.0, 1.0, 3.0, math.inf), zeros=True)
+    values = (0.0, -0.0, 1e-300, 2.5, math.inf, math.nan)
+    pieces = []
+    for index, (a, b) in enumerate((a, b) for a in values for b in values):
+        for rank, (first, second) in enumerate(((a, b), (b, a))):
+            norms = (first, 0.5, second)  # request.finite is (2.0, 1.0, 3.0)
+            pieces.append(Piece(rank, f"p{index}", False, 4, 0, 1, norms, abs(first), None))
+    stats = {param.name: param for param in merge(pieces, request).params}
+    for name, param in stats.items():
+        mine = [piece for piece in pieces if piece.name == name]
+        for at, norm_type in enumerate(request.finite):
+            expected = 0.0
+            for piece in mine:
+                expected = add_norms(expected, piece.norms[at], norm_type)
+            assert repr(param.norms[norm_type]) == repr(expected), (name, norm_type)
+        assert param.ranks == [0, 1] and param.numel == 8 and param.zeros == 2

@@ -425,18 +425,22 @@ def merge(pieces: Iterable[Piece], request: Request) -> SnapshotStats:
     by_name: dict[str, ParamStats] = {}
     by_row: dict[str, ParamStats] = {}
     nonfinite = []
+    first_peak = 0.0 if request.with_inf else None
     for piece in pieces:
         found = by_name if piece.row_of is None else by_row
         stats = found.get(piece.name)
         if stats is None:
+            # Its first piece: each norm as add_norms(0, norm) gives it (-0.0 made 0.0).
+            norms = [norm + 0.0 for norm in piece.norms]
             stats = found[piece.name] = ParamStats(
                 piece.name,
                 piece.expert,
-                norms=dict.fromkeys(request.finite, 0.0),
-                max_abs=0.0 if request.with_inf else None,
+                norms=dict(zip(request.finite, norms, strict=True)),
+                max_abs=first_peak,
             )
-        for norm_type, value in zip(request.finite, piece.norms, strict=True):
-            stats.norms[norm_type] = kernels.add_norms(stats.norms[norm_type], value, norm_type)
+        else:
+            for norm_type, value in zip(request.finite, piece.norms, strict=True):
+                stats.norms[norm_type] = kernels.add_norms(stats.norms[norm_type], value, norm_type)
         if piece.max_abs is not None:
             stats.max_abs = nan_max((stats.max_abs or 0.0, piece.max_abs))
         stats.numel += piece.numel
