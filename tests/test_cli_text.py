@@ -320,3 +320,25 @@ def test_closed_pipe_exits_141_quietly(as_json: bool) -> None:
     stderr = process.stderr.read()
     assert process.wait(timeout=120) == 141
     assert stderr == b""
+
+
+def test_the_norm_report_keeps_the_first_rows_of_the_whole_order() -> None:
+    """``--top k`` shows the first k rows of the order the whole list takes (non-finite first,
+    then largest; ties in parameter order), and counts the rest as left out."""
+    from gradstat.analysis.report import norm_report
+    from gradstat.analysis.stats import ParamStats, SnapshotStats
+    from gradstat.snapshot import Snapshot
+
+    snapshot = Snapshot.open(Path(__file__).parent.parent / "sample_data" / "gtp2-pp2-dp2-ep2")
+    norms = [1.0, 3.0, math.nan, 3.0, 0.0, math.inf, 2.0, 3.0, 1.0, 0.0, math.nan, 2.0]
+    params = tuple(
+        ParamStats(f"p{index}", index % 3 == 0, numel=4, norms={2.0: norm}, ranks=[index % 2])
+        for index, norm in enumerate(norms)
+    )
+    stats = SnapshotStats(params, (2.0,))
+    whole = norm_report(snapshot, stats, 2.0).params
+    assert [row.name for row in whole[:5]] == ["p2", "p5", "p10", "p1", "p3"]
+    for top in range(1, len(norms) + 2):
+        report = norm_report(snapshot, stats, 2.0, top=top)
+        assert [repr(row) for row in report.params] == [repr(row) for row in whole[:top]]
+        assert report.params_left_out == max(len(norms) - top, 0)
