@@ -20,6 +20,7 @@ import json
 import math
 import os
 import shlex
+import socket
 import stat
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -252,10 +253,11 @@ def agree(
 
 
 def _view(snapshot_dirs: Sequence[str | os.PathLike[str]], rank: int) -> str:
-    """What identifies the files this process sees in ``snapshot_dirs``: the machine's boot,
-    the process's mount namespace and each directory's device and inode. Processes with the
-    same view read the same files; one whose view cannot be told (no ``/proc``) has its own,
-    and digests every file."""
+    """What identifies the files this process sees in ``snapshot_dirs``: the host's name, the
+    machine's boot, the process's mount namespace and each directory's device and inode.
+    Processes with the same view read the same files; one whose view cannot be told (no
+    ``/proc``) has its own, and digests every file. The host's name is one more guard, where a
+    sandbox may not give each machine a boot id of its own."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
         mounts = os.readlink("/proc/self/ns/mnt")
@@ -269,7 +271,7 @@ def _view(snapshot_dirs: Sequence[str | os.PathLike[str]], rank: int) -> str:
             places.append(f"unreadable: {error.errno}")
         else:
             places.append(f"{status.st_dev}:{status.st_ino}")
-    return "\0".join((boot, mounts, *places))
+    return "\0".join((socket.gethostname(), boot, mounts, *places))
 
 
 def _snapshot_identities(
