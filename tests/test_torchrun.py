@@ -284,6 +284,8 @@ def test_file_summaries_cross_processes_as_columns_unchanged() -> None:
 
     snapshot = Snapshot.open(SAMPLES / "tp2-gtp2-pp2-ep2-bugs")
     summaries = [FileSummary.of(rank_file) for rank_file in snapshot.files]
+    # A process sends its rank files' summaries without making them first.
+    assert FileSummary.to_columns(snapshot.files) == FileSummary.to_columns(summaries)
     summaries[1] = FileSummary(
         summaries[1].directory,
         summaries[1].name,

@@ -381,7 +381,7 @@ def open_shared(
         for rank_file in open_rank_files(folder, processes.share(rank_file_names(folder))):
             files.append(rank_file)
             beat(0)
-        return FileSummary.to_columns([FileSummary.of(rank_file) for rank_file in files])
+        return FileSummary.to_columns(files)
 
     shares = gather(processes, compute)
     summaries = [summary for share in shares for summary in FileSummary.from_columns(folder, share)]
