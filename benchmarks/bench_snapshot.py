@@ -243,15 +243,13 @@ def main() -> int:
 
 def _compare_on_cuda(directory: Path, size: int, repeats: int) -> None:
     """Issue 30 item 4: ``gradstat norm --device cuda`` against the same command on the CPU and
-    against the bare ``.cuda()`` + sum pass, each as GB/s beyond its process's start."""
-    from gradstat.snapshot import save_rank
-
+    against the bare ``.cuda()`` + sum pass, each as GB/s beyond its process's start (the bytes
+    beyond a one-file snapshot's, in the time beyond its run's)."""
     with tempfile.TemporaryDirectory(prefix="gradstat-bench-one-") as one:
-        tiny = Path(one)  # one small tensor: each side's start, to take away
-        holder = type("Shard", (), {})()
-        holder.grad = torch.ones(1024)
-        holder.shape, holder.tensor_model_parallel, holder.partition_dim = (1024,), True, 0
-        save_rank(tiny, [("layers.0.weight", holder)], rank=0, world_size=1, coords={"tp": [0, 1]})
+        # One file of one tensor (16 MiB): each side's start, and its bytes, taken away.
+        tiny = Path(one)
+        write_snapshot(tiny, 1e-6, 1)
+        extra = size - sum(path.stat().st_size for path in tiny.glob("*.safetensors"))
         sides = ("cuda", "cpu", "peer-cuda")
         whole: dict[str, list[float]] = {side: [] for side in sides}
         beyond: dict[str, list[float]] = {side: [] for side in sides}
@@ -289,7 +287,7 @@ def _compare_on_cuda(directory: Path, size: int, repeats: int) -> None:
     for side in sides:
         seconds = statistics.median(beyond[side])
         # Beyond the start, a run shorter than the noise of starting has no rate to give.
-        rates[side] = size / seconds / 1e9 if seconds > 0 else math.nan
+        rates[side] = extra / seconds / 1e9 if seconds > 0 else math.nan
         print(
             f"| {names[side]} | {statistics.median(whole[side]):.2f} s | {seconds:.3f} s | "
             f"{rates[side]:.1f} | {rates[side] / link:.0%} |"
