@@ -13,11 +13,13 @@ process, from launch to exit, as a user waits for it (peak RSS from ``wait4``):
 Prints the median of per-repeat time ratios ours/peer, the ratio of the fastest times, and each
 side's peak RSS against the snapshot's size.
 
-``--device cuda`` (issue 30 item 4: the command line on a GPU) times three sides instead, each
+``--device cuda`` (issue 30 item 4: the command line on a GPU) times four sides instead, each
 also on a one-tensor snapshot, so that the time beyond each process's start (Python, torch,
 the CUDA context) gives its throughput in GB/s of the snapshot's bytes:
 
-- ours: ``python -m gradstat norm --device cuda DIR``;
+- ours: ``python -m gradstat norm --device cuda DIR`` (copies through pinned staging buffers,
+  see ``gradstat.core.staging``);
+- pageable: the same with ``GRADSTAT_PINNED=0`` (each tensor copied with a plain ``.to``);
 - cpu: the same command on the CPU (``python -m gradstat norm DIR``);
 - peer: a Python process that opens each file with ``safe_open``, copies each tensor to the GPU
   with ``.cuda()`` and sums it there, and reads the total once;
@@ -134,18 +136,23 @@ def _peak_rss() -> float:
 def _run(side: str, directory: Path) -> dict[str, float]:
     """One fresh process, timed from launch to exit as a user waits for it: the peer's pass,
     or the gradstat command itself (``python -m gradstat norm DIR``, ...); ``cuda``: that
-    command with ``--device cuda``, ``cpu``: without."""
+    command with ``--device cuda``, ``pageable``: the same without pinned staging buffers,
+    ``cpu``: without ``--device``."""
+    env = ENV
     if side in SIDES:
         command = [sys.executable, __file__, "--measure", side, "--dir", str(directory)]
-    elif side in ("cuda", "cpu"):
-        command = [sys.executable, "-m", "gradstat", "norm", str(directory), "--device", side]
+    elif side in ("cuda", "pageable", "cpu"):
+        device = "cpu" if side == "cpu" else "cuda"
+        command = [sys.executable, "-m", "gradstat", "norm", str(directory), "--device", device]
+        if side == "pageable":
+            env = {**ENV, "GRADSTAT_PINNED": "0"}
     else:
         command = [sys.executable, "-m", "gradstat", "norm" if side == "ours" else side]
         command.append(str(directory))
         if side == "compare":
             command.append(str(directory))
     start = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=ENV)
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     _, status, usage = os.wait4(process.pid, 0)
     seconds = time.perf_counter() - start
     process.returncode = os.waitstatus_to_exitcode(status)
@@ -250,13 +257,14 @@ def _compare_on_cuda(directory: Path, size: int, repeats: int) -> None:
         tiny = Path(one)
         write_snapshot(tiny, 1e-6, 1)
         extra = size - sum(path.stat().st_size for path in tiny.glob("*.safetensors"))
-        sides = ("cuda", "cpu", "peer-cuda")
+        sides = ("cuda", "pageable", "cpu", "peer-cuda")
         whole: dict[str, list[float]] = {side: [] for side in sides}
         beyond: dict[str, list[float]] = {side: [] for side in sides}
         for side in sides:  # warm the page cache, the kernel cache and the driver
             _run(side, directory)
         for repeat in range(repeats):
-            for side in sides[repeat % 3 :] + sides[: repeat % 3]:
+            turn = repeat % len(sides)
+            for side in sides[turn:] + sides[:turn]:
                 start_only = _run(side, tiny)["seconds"]
                 seconds = _run(side, directory)["seconds"]
                 whole[side].append(seconds)
@@ -280,6 +288,7 @@ def _compare_on_cuda(directory: Path, size: int, repeats: int) -> None:
     print("|---|---:|---:|---:|---:|")
     names = {
         "cuda": "gradstat norm --device cuda",
+        "pageable": "the same, GRADSTAT_PINNED=0",
         "cpu": "gradstat norm (CPU)",
         "peer-cuda": "safe_open + .cuda() + sum",
     }
@@ -294,7 +303,8 @@ def _compare_on_cuda(directory: Path, size: int, repeats: int) -> None:
         )
     print(
         f"\n--device cuda against the CPU: {rates['cuda'] / rates['cpu']:.2f}x the throughput; "
-        f"against the bare .cuda() + sum pass: {rates['cuda'] / rates['peer-cuda']:.2f}x "
+        f"against the bare .cuda() + sum pass: {rates['cuda'] / rates['peer-cuda']:.2f}x; "
+        f"pinned staging against pageable copies: {rates['cuda'] / rates['pageable']:.2f}x "
         "(nan: a snapshot too small to time beyond the start; give a larger --gib)"
     )
 

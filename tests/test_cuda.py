@@ -13,6 +13,9 @@ import pytest
 import torch
 
 from gradstat import clip_grad_by_total_norm_fp32, count_zeros_fp32, get_grad_norm_fp32
+from gradstat.analysis.stats import snapshot_stats
+from gradstat.core import staging
+from gradstat.snapshot import Snapshot
 from tests._cli import SAMPLE_DATA, run_gradstat
 from tests._oracle import float64_norm, rel_err, zeros_in
 from tests._params import param_with
@@ -136,6 +139,71 @@ def test_compare_and_audit_on_cuda_find_what_cpu_finds() -> None:
             # The sample's one finding: the expert no token reaches.
             assert cuda["findings"] == cpu["findings"]
             assert [finding["kind"] for finding in cpu["findings"]] == ["expert_never_routed"]
+
+
+def test_pinned_staging_moves_every_byte_to_the_gpu() -> None:
+    """Tensors of every shape and dtype through two 4 KiB pinned buffers (so that most
+    transfers wait for a buffer) and through the default ones: bitwise what was sent, though
+    the sources are overwritten as soon as the call returns."""
+    gen = torch.Generator().manual_seed(3)
+    sources = [
+        torch.randn(3, 5, generator=gen),
+        torch.randn(7000, generator=gen).to(torch.bfloat16),
+        torch.tensor(2.5, dtype=torch.float64),
+        torch.empty(0, 4),
+        torch.randn(333, generator=gen).half(),
+        torch.rand(11, generator=gen) > 0.5,
+        torch.randn(2, 60_000, generator=gen),
+        torch.randn(400, 3, generator=gen).t(),
+        torch.randn(20_000_001, generator=gen),  # 80 MB: several default windows
+    ]
+    sources[0][1, 2] = math.nan
+    device = torch.device("cuda")
+    for stage in (
+        staging.Staging(device, staging.CudaLink(device), 4096, 2),
+        staging.Staging(device, staging.CudaLink(device)),
+    ):
+        kept = [tensor.clone() for tensor in sources]
+        arrived = stage.to_device(sources)
+        for tensor in sources:
+            if tensor.numel() and tensor.dtype != torch.bool:
+                tensor.fill_(7)
+        for got, want in zip(arrived, kept, strict=True):
+            assert got.device.type == "cuda" and got.dtype == want.dtype
+            assert got.shape == want.shape
+            assert torch.equal(
+                got.cpu().reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)
+            )
+        sources = kept
+
+
+def test_snapshot_stats_through_small_staging_buffers_equal_the_cpus(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def small(device: torch.device) -> staging.Staging:
+        return staging.Staging(device, staging.CudaLink(device), 4096, 2)
+
+    monkeypatch.setattr(staging, "_staging", small)
+    for sample in ("gtp2-pp2-dp2-ep2", "tp2-pp2-dp2-ep2-distopt-nan"):
+        snapshot = Snapshot.open(SAMPLE_DATA / sample)
+        norm_types = (2.0, 1.0, math.inf)
+        cpu = snapshot_stats(snapshot, norm_types)
+        cuda = snapshot_stats(snapshot, norm_types, device="cuda")
+        assert cuda.nonfinite == cpu.nonfinite
+        for got, want in zip(cuda.params, cpu.params, strict=True):
+            assert (got.name, got.numel, got.zeros, got.pad_zeros) == (
+                want.name,
+                want.numel,
+                want.zeros,
+                want.pad_zeros,
+            )
+            assert got.max_abs == want.max_abs or (
+                math.isnan(got.max_abs or 0.0) and math.isnan(want.max_abs or 0.0)
+            )
+            for p in (2.0, 1.0):
+                assert math.isclose(got.norms[p], want.norms[p], rel_tol=1e-6, abs_tol=1e-12) or (
+                    math.isnan(got.norms[p]) and math.isnan(want.norms[p])
+                )
 
 
 def _training_grads(count: int) -> list[torch.Tensor]:

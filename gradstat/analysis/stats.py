@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from gradstat.clip_grads import check_norm_type
-from gradstat.core import kernels, native
+from gradstat.core import kernels, native, staging
 from gradstat.core.groups import AxisPlace
 from gradstat.core.predicates import gtp_pad_zero_count, param_is_not_shared, param_is_unique
 from gradstat.distributed.runner import Processes, Progress, gather
@@ -260,13 +260,21 @@ class Request:
         return kernels.one_pass_serves(self.finite, self.with_inf, self.zeros)
 
 
-def _grad(param: RebuiltParam, request: Request) -> torch.Tensor:
-    """The gradient of a counted ``param``, where the request computes."""
-    grad = param.grad
-    assert grad is not None
-    if grad.device != request.device:
-        grad = param.grad = grad.to(request.device)
-    return grad
+def _grads(params: Sequence[RebuiltParam], request: Request) -> list[torch.Tensor]:
+    """The gradients of counted ``params``, where the request computes: those elsewhere are
+    copied there together (through pinned buffers to a GPU, see :mod:`gradstat.core.staging`)
+    and each param's ``grad`` becomes its copy."""
+    grads = []
+    for param in params:
+        grad = param.grad
+        assert grad is not None
+        grads.append(grad)
+    away = [index for index, grad in enumerate(grads) if grad.device != request.device]
+    if away:
+        moved = staging.to_device([grads[index] for index in away], request.device)
+        for index, grad in zip(away, moved, strict=True):
+            grads[index] = params[index].grad = grad
+    return grads
 
 
 def tensor_piece(
@@ -350,7 +358,7 @@ def _mapped_pieces(
     rank_file: RankFile, counted: Sequence[RebuiltParam], request: Request
 ) -> list[Piece]:
     """The pieces of a mapped file's counted tensors, their expert rows too when asked."""
-    grads = [_grad(param, request) for param in counted]
+    grads = _grads(counted, request)
     # One native call for the file's fp32 tensors: small ones cost less than the call.
     passes = native.fused_many_f32(grads) if request.one_pass else [None] * len(grads)
     pieces = [
@@ -382,7 +390,8 @@ def _kept_pieces(
     for param, numel, fused in zip(counted, found[1], passes, strict=True):
         piece = _fused_piece(rank_file, param, numel, fused, request)
         if piece is None:
-            piece = tensor_piece(rank_file, param, _grad(param, request), request, fused)
+            (grad,) = _grads([param], request)
+            piece = tensor_piece(rank_file, param, grad, request, fused)
         pieces.append(piece)
     return pieces
 
@@ -390,7 +399,7 @@ def _kept_pieces(
 def _one_piece(rank_file: RankFile, param: RebuiltParam, request: Request) -> list[Piece]:
     """The pieces of one tensor read into memory (its expert rows too when asked), dropped
     before the next is read."""
-    grad = _grad(param, request)
+    (grad,) = _grads([param], request)
     fused = native.fused_many_f32([grad])[0] if request.one_pass else None
     pieces = [tensor_piece(rank_file, param, grad, request, fused)]
     if request.split_experts:
