@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -90,11 +91,16 @@ class Staging:
         # The mark after each buffer's last transfer: it may be refilled once that has run.
         self._marks: list[Mark | None] = [None] * buffers
         self._next = 0
+        self._lock = threading.Lock()  # the buffers are the process's, threads take turns
 
     def to_device(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Each tensor's copy on the device, as it will be once the transfers queued now have
         run: whatever is launched on the device's current stream after this call sees the
         values. The sources may change or go away as soon as it returns (they were copied)."""
+        with self._lock:
+            return self._to_device(tensors)
+
+    def _to_device(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         sources = [tensor.contiguous().reshape(-1).view(torch.uint8) for tensor in tensors]
         offsets, end = [], 0
         for source in sources:
