@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from gradstat import clip_grad_by_total_norm_fp32, count_zeros_fp32, get_grad_norm_fp32
+from gradstat.analysis import stats
 from gradstat.analysis.stats import snapshot_stats
 from gradstat.core import staging
 from gradstat.snapshot import Snapshot
@@ -177,13 +178,14 @@ def test_pinned_staging_moves_every_byte_to_the_gpu() -> None:
         sources = kept
 
 
-def test_snapshot_stats_through_small_staging_buffers_equal_the_cpus(
+def test_snapshot_stats_through_small_staging_buffers_and_runs_equal_the_cpus(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     def small(device: torch.device) -> staging.Staging:
         return staging.Staging(device, staging.CudaLink(device), 4096, 2)
 
     monkeypatch.setattr(staging, "_staging", small)
+    monkeypatch.setattr(stats, "RUN_BYTES", 8192)  # a few tensors on the device at a time
     for sample in ("gtp2-pp2-dp2-ep2", "tp2-pp2-dp2-ep2-distopt-nan"):
         snapshot = Snapshot.open(SAMPLE_DATA / sample)
         norm_types = (2.0, 1.0, math.inf)

@@ -5,11 +5,18 @@ show in the copies. The same checks on a real GPU are in tests/test_cuda.py."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
+import pytest
 import torch
 
+from gradstat.analysis import stats
+from gradstat.analysis.stats import Request, counts, file_pieces, snapshot_pieces
 from gradstat.core import staging
 from gradstat.core.staging import Staging
+from gradstat.errors import SnapshotError
+from gradstat.snapshot import RankFile, RebuiltParam, Snapshot
+from tests._cli import SAMPLE_DATA
 
 
 class _Point:
@@ -126,3 +133,41 @@ def test_the_host_waits_only_for_the_buffer_it_refills() -> None:
     stage = Staging(torch.device("cpu"), link, buffer_bytes=256, buffers=3)
     stage.to_device([torch.arange(5 * 64, dtype=torch.float32)])  # 1280 bytes, 5 windows
     assert (len(link.queue), link.done) == (5, 2)
+
+
+def test_a_rank_file_read_in_runs_gives_the_pieces_of_the_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A GPU holds one run of a file's gradients at a time: read a tensor at a time, or a few
+    together, every piece (expert rows included) comes out as from the whole file at once."""
+    request = Request.make((2.0, 3.0, math.inf), zeros=True, split_experts=True)
+    for sample in ("tp2-pp2-dp2-ep2-distopt-nan", "gtp2-pp2-dp2-ep2"):
+        snapshot = Snapshot.open(SAMPLE_DATA / sample)
+        whole = repr(snapshot_pieces(snapshot, request))
+        sizes = [record.numel * 4 for file in snapshot.files for record in file.header.params]
+        for limit in (1, 3 * max(sizes) // 2):
+            monkeypatch.setattr(stats, "RUN_BYTES", limit)
+            counted = [p for p in _params(snapshot.files[0]) if counts(snapshot.files[0], p)]
+            assert 1 < len(stats._runs(counted)) <= len(counted)
+            assert repr(snapshot_pieces(snapshot, request)) == whole
+
+
+def _params(rank_file: RankFile) -> list[RebuiltParam]:
+    with rank_file.params() as params:
+        return params
+
+
+def test_gradients_a_device_has_no_room_for_are_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_room(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(staging, "to_device", no_room)
+    snapshot = Snapshot.open(SAMPLE_DATA / "gtp2-pp2-dp2-ep2")
+    rank_file = snapshot.files[0]
+    request = Request.make((2.0,), zeros=True, device="meta", split_experts=True)
+    with pytest.raises(SnapshotError) as raised:
+        file_pieces(rank_file, request)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert message.startswith(f"{rank_file.path}: ") and "free memory of meta" in message
+    assert "use --device cpu" in message

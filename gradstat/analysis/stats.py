@@ -29,7 +29,7 @@ from gradstat.distributed.runner import Processes, Progress, gather
 from gradstat.errors import SnapshotError
 from gradstat.snapshot import RankFile, RebuiltParam, Snapshot, SnapshotShare
 from gradstat.snapshot.container import kept_fp32
-from gradstat.snapshot.format import RankHeader
+from gradstat.snapshot.format import DTYPES, RankHeader
 from gradstat.snapshot.reader import FileSummary
 
 __all__ = [
@@ -51,6 +51,9 @@ __all__ = [
 ]
 
 _CPU = torch.device("cpu")
+# A mapped rank file's gradients taken at once, at most (a larger tensor alone): copied to a
+# GPU together and reduced there, before the next run is copied (see _runs).
+RUN_BYTES = 1 << 30
 _log = logging.getLogger(__name__)
 
 
@@ -260,21 +263,58 @@ class Request:
         return kernels.one_pass_serves(self.finite, self.with_inf, self.zeros)
 
 
-def _grads(params: Sequence[RebuiltParam], request: Request) -> list[torch.Tensor]:
+def _grads(
+    rank_file: Placed, params: Sequence[RebuiltParam], request: Request
+) -> list[torch.Tensor]:
     """The gradients of counted ``params``, where the request computes: those elsewhere are
     copied there together (through pinned buffers to a GPU, see :mod:`gradstat.core.staging`)
-    and each param's ``grad`` becomes its copy."""
+    and each param's ``grad`` becomes its copy.
+
+    Raises:
+        SnapshotError: the device has no room for them (naming the file and the largest).
+    """
     grads = []
     for param in params:
         grad = param.grad
         assert grad is not None
         grads.append(grad)
     away = [index for index, grad in enumerate(grads) if grad.device != request.device]
-    if away:
+    if not away:
+        return grads
+    try:
         moved = staging.to_device([grads[index] for index in away], request.device)
-        for index, grad in zip(away, moved, strict=True):
-            grads[index] = params[index].grad = grad
+    except torch.OutOfMemoryError as error:
+        largest = max(away, key=lambda index: grads[index].nbytes)
+        name, size = params[largest].name, grads[largest].nbytes
+        what = f"tensor {name!r} ({size} bytes) does not fit"
+        if len(away) > 1:
+            total = sum(grads[index].nbytes for index in away)
+            what = f"{len(away)} tensors of {total} bytes (the largest {name!r}, {size}) do not fit"
+        raise SnapshotError(
+            f"{rank_file.path}: {what} in the free memory of {request.device}: free some, or "
+            "use --device cpu"
+        ) from error
+    for index, grad in zip(away, moved, strict=True):
+        grads[index] = params[index].grad = grad
     return grads
+
+
+def _runs(counted: Sequence[RebuiltParam]) -> list[Sequence[RebuiltParam]]:
+    """``counted`` in runs of at most ``RUN_BYTES`` of gradients (a larger tensor alone): a GPU
+    holds one run at a time, so that a rank file larger than its memory is still read."""
+    runs: list[Sequence[RebuiltParam]] = []
+    run: list[RebuiltParam] = []
+    taken = 0
+    for param in counted:
+        record = param.record
+        dtype = DTYPES[record.dtype][0] if record.dtype in DTYPES else torch.float64
+        size = record.numel * dtype.itemsize
+        if run and taken + size > RUN_BYTES:
+            runs.append(run)
+            run, taken = [], 0
+        run.append(param)
+        taken += size
+    return [*runs, run] if run else runs
 
 
 def tensor_piece(
@@ -358,16 +398,18 @@ def _mapped_pieces(
     rank_file: RankFile, counted: Sequence[RebuiltParam], request: Request
 ) -> list[Piece]:
     """The pieces of a mapped file's counted tensors, their expert rows too when asked."""
-    grads = _grads(counted, request)
-    # One native call for the file's fp32 tensors: small ones cost less than the call.
-    passes = native.fused_many_f32(grads) if request.one_pass else [None] * len(grads)
-    pieces = [
-        tensor_piece(rank_file, param, grad, request, fused)
-        for param, grad, fused in zip(counted, grads, passes, strict=True)
-    ]
-    if request.split_experts:
-        pieces += _expert_row_pieces(rank_file, counted, grads, request)
-    return pieces
+    pieces, rows = [], []
+    for run in _runs(counted):
+        grads = _grads(rank_file, run, request)
+        # One native call for the file's fp32 tensors: small ones cost less than the call.
+        passes = native.fused_many_f32(grads) if request.one_pass else [None] * len(grads)
+        pieces += [
+            tensor_piece(rank_file, param, grad, request, fused)
+            for param, grad, fused in zip(run, grads, passes, strict=True)
+        ]
+        if request.split_experts:
+            rows += _expert_row_pieces(rank_file, run, grads, request)
+    return pieces + rows
 
 
 def _kept_pieces(
@@ -390,7 +432,7 @@ def _kept_pieces(
     for param, numel, fused in zip(counted, found[1], passes, strict=True):
         piece = _fused_piece(rank_file, param, numel, fused, request)
         if piece is None:
-            (grad,) = _grads([param], request)
+            (grad,) = _grads(rank_file, [param], request)
             piece = tensor_piece(rank_file, param, grad, request, fused)
         pieces.append(piece)
     return pieces
@@ -399,7 +441,7 @@ def _kept_pieces(
 def _one_piece(rank_file: RankFile, param: RebuiltParam, request: Request) -> list[Piece]:
     """The pieces of one tensor read into memory (its expert rows too when asked), dropped
     before the next is read."""
-    (grad,) = _grads([param], request)
+    (grad,) = _grads(rank_file, [param], request)
     fused = native.fused_many_f32([grad])[0] if request.one_pass else None
     pieces = [tensor_piece(rank_file, param, grad, request, fused)]
     if request.split_experts:
