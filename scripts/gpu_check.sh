@@ -2,7 +2,8 @@
 # Every GPU and many-core check of issue 30 in one run of about 10 minutes on a 16-core H200
 # machine: the CUDA tests, the core on the device (item 4: L2 every step against HBM
 # bandwidth), the command line on the GPU (item 4: a 4 GiB snapshot in the page cache against
-# the CPU and a bare .cuda() + sum pass, in GB/s and of the link), and torchrun with 8
+# the CPU, the same with pageable copies and a bare .cuda() + sum pass, in GB/s and of the
+# link), and torchrun with 8
 # processes on 8192 rank files against one process (item 3).
 # Needs a python3 with torch (CUDA build), typer, rich, safetensors and pytest; installs nothing.
 # Logs go to $OUT (else $TMPDIR/gradstat-gpu); snapshots to $TMPDIR/gradstat-gpu-data.
