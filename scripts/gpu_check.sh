@@ -3,8 +3,7 @@
 # machine: the CUDA tests, the core on the device (item 4: L2 every step against HBM
 # bandwidth), the command line on the GPU (item 4: a 4 GiB snapshot in the page cache against
 # the CPU, the same with pageable copies and a bare .cuda() + sum pass, in GB/s and of the
-# link), and torchrun with 8
-# processes on 8192 rank files against one process (item 3).
+# link), and torchrun with 8 processes on 8192 rank files against one process (item 3).
 # Needs a python3 with torch (CUDA build), typer, rich, safetensors and pytest; installs nothing.
 # Logs go to $OUT (else $TMPDIR/gradstat-gpu); snapshots to $TMPDIR/gradstat-gpu-data.
 set -u -o pipefail
