@@ -96,7 +96,8 @@ def is_parameter(item: Any) -> bool:
         return True
     if not isinstance(item, Tensor):
         return hasattr(item, "grad")
-    return item.is_leaf and (item.requires_grad or item.grad is not None)
+    # Every tensor that does not require grad is a leaf: two reads, not three, per gradient.
+    return item.is_leaf if item.requires_grad else item.grad is not None
 
 
 def _label(what: str, index: int, tensor: Any, *, of_parameter: bool) -> str:
@@ -144,7 +145,7 @@ def _plain_gradient(grad: Any) -> bool:
         and grad.layout == torch.strided
         and grad.dtype in kernels.SUPPORTED_DTYPES
         and not grad.is_meta
-        and not (grad.is_leaf and (grad.requires_grad or grad.grad is not None))
+        and not (grad.is_leaf if grad.requires_grad else grad.grad is not None)  # is_parameter
     )
 
 
