@@ -5,6 +5,7 @@ show in the copies. The same checks on a real GPU are in tests/test_cuda.py."""
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 
 import pytest
@@ -171,3 +172,26 @@ def test_gradients_a_device_has_no_room_for_are_one_line(monkeypatch: pytest.Mon
     assert "\n" not in message
     assert message.startswith(f"{rank_file.path}: ") and "free memory of meta" in message
     assert "use --device cpu" in message
+
+
+def test_the_device_holds_one_run_of_a_file_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each run's copies are gone before the next run is copied (here the "device" copies are
+    CPU clones, watched by weak references): a file larger than the GPU is read run by run."""
+    watched: list[weakref.ref[torch.Tensor]] = []
+    runs = []
+
+    def to_device(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        assert all(copy() is None for copy in watched), "an earlier run is still held"
+        copies = [tensor.clone() for tensor in tensors]
+        watched.extend(map(weakref.ref, copies))
+        runs.append(len(copies))
+        return copies
+
+    snapshot = Snapshot.open(SAMPLE_DATA / "gtp2-pp2-dp2-ep2")
+    on_cpu = Request.make((2.0,), zeros=True, split_experts=True)
+    want = repr(snapshot_pieces(snapshot, on_cpu))
+    monkeypatch.setattr(staging, "to_device", to_device)
+    monkeypatch.setattr(stats, "RUN_BYTES", 1)
+    elsewhere = Request.make((2.0,), zeros=True, device="meta", split_experts=True)
+    assert repr(snapshot_pieces(snapshot, elsewhere)) == want
+    assert len(runs) > len(snapshot.files) and set(runs) == {1}

@@ -267,8 +267,9 @@ def _grads(
     rank_file: Placed, params: Sequence[RebuiltParam], request: Request
 ) -> list[torch.Tensor]:
     """The gradients of counted ``params``, where the request computes: those elsewhere are
-    copied there together (through pinned buffers to a GPU, see :mod:`gradstat.core.staging`)
-    and each param's ``grad`` becomes its copy.
+    copied there together (through pinned buffers to a GPU, see :mod:`gradstat.core.staging`).
+    The params keep their own: a copy lives as long as the caller holds it (one run, see
+    :func:`_runs`), not as long as the file's params.
 
     Raises:
         SnapshotError: the device has no room for them (naming the file and the largest).
@@ -295,7 +296,7 @@ def _grads(
             "use --device cpu"
         ) from error
     for index, grad in zip(away, moved, strict=True):
-        grads[index] = params[index].grad = grad
+        grads[index] = grad
     return grads
 
 
@@ -397,19 +398,29 @@ def file_pieces(rank_file: RankFile, request: Request) -> list[Piece]:
 def _mapped_pieces(
     rank_file: RankFile, counted: Sequence[RebuiltParam], request: Request
 ) -> list[Piece]:
-    """The pieces of a mapped file's counted tensors, their expert rows too when asked."""
+    """The pieces of a mapped file's counted tensors, their expert rows too when asked (after
+    them), one run at a time (see :func:`_runs`)."""
     pieces, rows = [], []
     for run in _runs(counted):
-        grads = _grads(rank_file, run, request)
-        # One native call for the file's fp32 tensors: small ones cost less than the call.
-        passes = native.fused_many_f32(grads) if request.one_pass else [None] * len(grads)
-        pieces += [
-            tensor_piece(rank_file, param, grad, request, fused)
-            for param, grad, fused in zip(run, grads, passes, strict=True)
-        ]
-        if request.split_experts:
-            rows += _expert_row_pieces(rank_file, run, grads, request)
+        run_pieces, run_rows = _run_pieces(rank_file, run, request)
+        pieces += run_pieces
+        rows += run_rows
     return pieces + rows
+
+
+def _run_pieces(
+    rank_file: RankFile, run: Sequence[RebuiltParam], request: Request
+) -> tuple[list[Piece], list[Piece]]:
+    """The pieces and expert rows of one run; its gradients' copies go with its return."""
+    grads = _grads(rank_file, run, request)
+    # One native call for the run's fp32 tensors: small ones cost less than the call.
+    passes = native.fused_many_f32(grads) if request.one_pass else [None] * len(grads)
+    pieces = [
+        tensor_piece(rank_file, param, grad, request, fused)
+        for param, grad, fused in zip(run, grads, passes, strict=True)
+    ]
+    rows = _expert_row_pieces(rank_file, run, grads, request) if request.split_experts else []
+    return pieces, rows
 
 
 def _kept_pieces(
