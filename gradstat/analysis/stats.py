@@ -489,28 +489,35 @@ def merge(pieces: Iterable[Piece], request: Request) -> SnapshotStats:
     nonfinite = []
     first_peak = 0.0 if request.with_inf else None
     for piece in pieces:
+        if piece.nonfinite is not None and piece.row_of is None:
+            nonfinite.append(piece.nonfinite)
+        peak = piece.max_abs
         found = by_name if piece.row_of is None else by_row
         stats = found.get(piece.name)
         if stats is None:
-            # Its first piece: each norm as add_norms(0, norm) gives it (-0.0 made 0.0).
-            norms = [norm + 0.0 for norm in piece.norms]
-            stats = found[piece.name] = ParamStats(
+            # Its first piece, made whole at once (a third of merge's time went to adding it
+            # to an empty ParamStats): each norm as add_norms(0, norm) gives it (-0.0 made
+            # 0.0), its peak as nan_max gives it.
+            norms = dict(zip(request.finite, [norm + 0.0 for norm in piece.norms], strict=True))
+            found[piece.name] = ParamStats(
                 piece.name,
                 piece.expert,
-                norms=dict(zip(request.finite, norms, strict=True)),
-                max_abs=first_peak,
+                piece.numel,
+                piece.zeros,
+                piece.pad_zeros,
+                norms,
+                first_peak if peak is None else nan_max((first_peak or 0.0, peak)),
+                [piece.rank],
             )
-        else:
-            for norm_type, value in zip(request.finite, piece.norms, strict=True):
-                stats.norms[norm_type] = kernels.add_norms(stats.norms[norm_type], value, norm_type)
-        if piece.max_abs is not None:
-            stats.max_abs = nan_max((stats.max_abs or 0.0, piece.max_abs))
+            continue
+        for norm_type, value in zip(request.finite, piece.norms, strict=True):
+            stats.norms[norm_type] = kernels.add_norms(stats.norms[norm_type], value, norm_type)
+        if peak is not None:
+            stats.max_abs = nan_max((stats.max_abs or 0.0, peak))
         stats.numel += piece.numel
         stats.pad_zeros += piece.pad_zeros
         stats.zeros += piece.zeros
         stats.ranks.append(piece.rank)
-        if piece.nonfinite is not None and piece.row_of is None:
-            nonfinite.append(piece.nonfinite)
     norm_types = (*request.finite, math.inf) if request.with_inf else request.finite
     return SnapshotStats(
         tuple(by_name.values()), norm_types, tuple(nonfinite), tuple(by_row.values())
