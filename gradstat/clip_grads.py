@@ -337,7 +337,6 @@ class GradNorm:
         # freed, and the next backward may reuse its memory (and the captured graph).
         self.grads: list[Tensor] = items if self.parameters is None else []
         self._plan: kernels.CudaPlan | None = None
-        self._plan_key: tuple[Any, ...] = ()
         grads = self._current()
         if self.parameters is None:
             _megatron_grads(grads, "GradNorm")
@@ -345,9 +344,8 @@ class GradNorm:
             self._capture(grads)
 
     def _capture(self, grads: list[Tensor]) -> kernels.CudaPlan:
-        """Capture the graph of ``grads`` (a plannable list) and remember what it holds."""
+        """Capture the graph of ``grads`` (a plannable list); it remembers what it reads."""
         self._plan = kernels.CudaPlan(grads)
-        self._plan_key = self._key(grads)
         return self._plan
 
     def _plannable(self, grads: list[Tensor]) -> bool:
@@ -367,15 +365,6 @@ class GradNorm:
             return self.grads
         return [grad for param in self.parameters if (grad := param.grad) is not None]
 
-    def _key(self, grads: list[Tensor]) -> tuple[Any, ...]:
-        # Given gradients, the list holds them: an address tells a replaced storage. Given
-        # parameters, the gradients may be new tensors: the graph stays right while every one
-        # sits at the same address with the same size and dtype.
-        addresses = tuple(map(Tensor.data_ptr, grads))
-        if self.parameters is None:
-            return addresses
-        return addresses, tuple(map(Tensor.numel, grads)), tuple(grad.dtype for grad in grads)
-
     def __call__(self) -> float:
         """The norm of the gradients' current values, as a Python float."""
         plan, grads = self._plan, self._current()
@@ -386,10 +375,10 @@ class GradNorm:
         if plan is None:
             return get_grad_norm_fp32(grads, self.p, self.group)
         try:
-            key = self._key(grads)
+            moved = kernels.layout(grads) != plan.layout
         except RuntimeError:  # a sparse gradient has no address
-            key = ()
-        if key != self._plan_key:
+            moved = True
+        if moved:
             if not self._plannable(grads):
                 return get_grad_norm_fp32(grads, self.p, self.group)
             plan = self._capture(grads)  # a gradient moved or was resized

@@ -289,6 +289,30 @@ def test_a_prepared_grad_norm_follows_the_gradients_step_by_step() -> None:
     assert rel_err(norm(), float(grads[1][2])) <= 1e-6
 
 
+def test_a_gradient_viewed_anew_at_its_address_is_read_anew() -> None:
+    """Fewer elements, or another dtype, at the same address: a captured graph would read the old
+    ones; the library's plans and GradNorm read what the gradient is now."""
+    from gradstat import GradNorm
+
+    grads = [grad.to(torch.bfloat16) for grad in _training_grads(40)]
+    norm = GradNorm(grads)
+    for change in (
+        lambda grad: setattr(grad, "data", grad.data[:500]),
+        lambda grad: setattr(grad, "data", grad.data.view(torch.float16)),
+        lambda grad: grad.resize_(10),
+    ):
+        for _ in range(3):  # captured, then replayed
+            expected = float64_norm([grad.cpu() for grad in grads], 2)
+            assert rel_err(get_grad_norm_fp32(grads, 2), expected) <= 1e-6
+            assert rel_err(norm(), expected) <= 1e-6
+        address = grads[7].data_ptr()
+        change(grads[7])
+        assert grads[7].data_ptr() == address
+        expected = float64_norm([grad.cpu() for grad in grads], 2)
+        assert rel_err(get_grad_norm_fp32(grads, 2), expected) <= 1e-6
+        assert rel_err(norm(), expected) <= 1e-6
+
+
 def test_the_recorders_per_parameter_telemetry_on_cuda_equals_float64(tmp_path: Path) -> None:
     """The recorder on a CUDA model: each parameter's L2, max |x|, zeros and NaN count, and the
     norm taken from them, against float64 of the gradients copied to the CPU."""

@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
@@ -23,13 +23,14 @@ class _FakeGraph:
     def __init__(self, grads: Sequence[Tensor], p: int, out: Tensor) -> None:
         # Weak, as a real graph holds only addresses: it must not keep a gradient alive.
         self.grads, self.p, self.out = [weakref.ref(grad) for grad in grads], p, out
+        # What a real graph reads: the memory, elements and dtype each gradient had at capture.
+        self.captured = [grad.detach() for grad in grads]
         self.replays = 0
 
     def replay(self) -> None:
         self.replays += 1
-        grads = [ref() for ref in self.grads]
-        assert all(grad is not None for grad in grads), "replayed over a freed gradient"
-        self.out.copy_(kernels._device_partials(grads, self.p))  # type: ignore[arg-type]
+        assert all(ref() is not None for ref in self.grads), "replayed over a freed gradient"
+        self.out.copy_(kernels._device_partials(self.captured, self.p))
 
 
 @pytest.fixture
@@ -94,6 +95,32 @@ def test_another_list_a_swapped_storage_or_another_p_is_not_replayed(
     assert plans.replay(grads, 1) is None
     grads[4].data = torch.zeros_like(grads[4])
     assert plans.replay(grads, 2) is None
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(lambda grad: setattr(grad, "data", grad.data[:50]), id="fewer-elements"),
+        pytest.param(lambda grad: grad.resize_(30), id="resized"),
+        pytest.param(lambda grad: setattr(grad, "data", grad.data.view(torch.float16)), id="dtype"),
+    ],
+)
+def test_a_gradient_viewed_anew_at_the_same_address_is_not_replayed(
+    plans: kernels._CudaPlans, change: Callable[[Tensor], object]
+) -> None:
+    """The same object at the same address, with other elements: the graph would read the old
+    ones (a silently wrong norm), so the call launches instead."""
+    grads = [grad.to(torch.bfloat16) for grad in _grads()]
+    plans.launch(grads, 2)
+    assert plans.replay(grads, 2) is not None
+    address = grads[4].data_ptr()
+    change(grads[4])
+    assert grads[4].data_ptr() == address
+    assert plans.replay(grads, 2) is None
+    plans.launch(grads, 2)  # what the caller does then: the new layout is the plan's
+    again = plans.replay(grads, 2)
+    assert again is not None
+    assert abs(float(again[0]) - _sum_of_squares(grads)) <= 1e-6 * _sum_of_squares(grads)
 
 
 def test_a_freed_gradient_drops_the_plan(plans: kernels._CudaPlans) -> None:

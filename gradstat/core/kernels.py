@@ -25,6 +25,7 @@ import enum
 import functools
 import logging
 import math
+import operator
 import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -290,13 +291,14 @@ class CudaPlan:
     """The partials of one list of CUDA gradients as a CUDA graph, captured at the first call
     and replayed at the next ones: one launch, whatever the number of tensors.
 
-    The graph reads the gradients' memory at the addresses they had when it was captured, so
-    it sees each step's new values; the caller makes sure those addresses still hold them
-    (:attr:`addresses`, from ``Tensor.data_ptr``, to compare with).
+    The graph reads the gradients' memory at the addresses they had when it was captured, as
+    many elements of the dtype they had then, so it sees each step's new values; the caller
+    makes sure the gradients still lie there (:attr:`layout`, from :func:`layout`, to compare
+    with).
     """
 
     def __init__(self, grads: Sequence[Tensor]) -> None:
-        self.addresses = tuple(map(Tensor.data_ptr, grads))
+        self.layout = layout(grads)
         self.refs: list[weakref.ref[Tensor]] = []
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: Tensor | None = None
@@ -351,6 +353,21 @@ class CudaPlan:
         _log.info("CUDA graph: captured %s (%d Triton tables)", what, len(tables))
 
 
+_DTYPE = operator.attrgetter("dtype")
+
+
+Layout = tuple[tuple[int, ...], tuple[int, ...], tuple[torch.dtype, ...]]
+
+
+def layout(grads: Sequence[Tensor]) -> Layout:
+    """Where each gradient's memory starts, its number of elements and its dtype: what a CUDA
+    graph captured over the gradients reads. The same object may change any of them while
+    keeping the others (``grad.data = grad.data[:n]`` keeps the address, a bf16 view of fp16
+    memory keeps the address and size), so a replay is right only if all three are unchanged."""
+    dtypes = tuple(map(_DTYPE, grads))
+    return tuple(map(Tensor.data_ptr, grads)), tuple(map(Tensor.numel, grads)), dtypes
+
+
 def _chunk_tables(grads: Sequence[Tensor]) -> tuple[list[_triton.ChunkTable], list[Tensor]]:
     """Triton chunk tables for the gradients it can read (one per dtype), and the others."""
     by_dtype: dict[torch.dtype, list[Tensor]] = {}
@@ -393,8 +410,8 @@ class _CudaPlans:
         plan = self.plans.get((p, *map(id, grads)))
         if plan is None or not self.enabled():
             return None
-        if tuple(map(Tensor.data_ptr, grads)) != plan.addresses:
-            return None  # a gradient's storage was swapped (``.data =``, ``set_``)
+        if layout(grads) != plan.layout:
+            return None  # a gradient was swapped, resized or viewed anew (``.data =``, ``set_``)
         return plan.partials(grads, p)
 
     def launch(self, grads: Sequence[Tensor], p: int) -> Tensor:
