@@ -63,7 +63,8 @@ def write_checkpoint(directory: Path, gib: float, files: int, layers: int = 8) -
     import warnings
 
     import torch
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save
 
     warnings.filterwarnings("ignore")  # dcp.save without a process group says so
     hidden, vocab, layers = _geometry(gib, 1, 1, layers)
@@ -88,8 +89,7 @@ def write_checkpoint(directory: Path, gib: float, files: int, layers: int = 8) -
         weight(prefix + "mlp.linear_fc2.weight", hidden, 4 * hidden)
     weight("decoder.final_layernorm.weight", hidden)
     weight("output_layer.weight", vocab, hidden)
-    writer = dcp.FileSystemWriter(str(directory), thread_count=files)
-    dcp.save({"model": weights}, storage_writer=writer)
+    save({"model": weights}, storage_writer=FileSystemWriter(str(directory), thread_count=files))
     return math.sqrt(squares)
 
 

@@ -1,11 +1,11 @@
 """What issue 25's live statistics cost per call, against what the same call paid before.
 
-``GradNorm`` given parameters re-reads their ``.grad`` every call and, for the CUDA graph,
-checks the gradients' addresses, sizes and dtypes; given gradients it reads their addresses
-only. Both are timed on 1000 parameters against that address read (the peer), then whole CPU
-calls, parameters against gradients. ``--ranks``: on 2 gloo ranks, ``total_norm`` of plain
-gradients (a DDP job) against one gloo all-reduce of five float64 numbers, what each of its
-reductions now adds.
+``GradNorm`` given parameters re-reads their ``.grad`` every call; given parameters or
+gradients, the CUDA graph checks the gradients' addresses, sizes and dtypes (until 2026-12-05,
+given gradients it read their addresses only). Both are timed on 1000 parameters against that
+address read (the peer), then whole CPU calls, parameters against gradients. ``--ranks``: on
+2 gloo ranks, ``total_norm`` of plain gradients (a DDP job) against one gloo all-reduce of five
+float64 numbers, what each of its reductions now adds.
 
 Usage::
 
@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from gradstat import GradNorm, total_norm
+from gradstat.core import kernels
 
 
 def _per_call_us(fn: Callable[[], object], number: int, repeats: int = 7) -> float:
@@ -38,13 +39,13 @@ def _per_call_us(fn: Callable[[], object], number: int, repeats: int = 7) -> flo
 
 def _gradnorm(count: int) -> None:
     params = [torch.nn.Parameter(torch.zeros(10)) for _ in range(count)]
-    for param in params:
-        param.grad = torch.randn(10)
-    grads = [param.grad for param in params]
+    grads = [torch.randn(10) for _ in params]
+    for param, grad in zip(params, grads, strict=True):
+        param.grad = grad
     live, held = GradNorm(params), GradNorm(grads)
-    peer = _per_call_us(lambda: held._key(grads), 200)
+    peer = _per_call_us(lambda: tuple(map(torch.Tensor.data_ptr, grads)), 200)
     read = _per_call_us(live._current, 200)
-    key = _per_call_us(lambda: live._key(grads), 200)
+    key = _per_call_us(lambda: kernels.layout(grads), 200)
     whole_live, whole_held = _per_call_us(live, 20), _per_call_us(held, 20)
     print(
         f"{count} parameters, per call: re-reading .grad {read / peer:.2f}x and the graph's "

@@ -76,7 +76,8 @@ def main() -> int:
         ("header and checks", ours_header, library_header),
         ("header, then every tensor", ours_tensors, library_tensors),
     ):
-        mine, library = [], []
+        mine: list[float] = []
+        library: list[float] = []
         for repeat in range(args.repeats):
             order = ((ours, mine), (theirs, library))
             for work, times in order if repeat % 2 == 0 else order[::-1]:

@@ -72,12 +72,15 @@ def main() -> int:
             gradstat.clip_grad_by_total_norm_fp32(params, 1.0, norm)
             optimizer.step()
 
+        def grads() -> list[torch.Tensor]:
+            return [grad for param in params if (grad := param.grad) is not None]
+
         backward()
         sides = {
             "step": (ours_step, peer_step),
             "norm": (
                 lambda: recorder.step(next(counter)),
-                lambda: float(torch.nn.utils.get_total_norm([p.grad for p in params])),
+                lambda: float(torch.nn.utils.get_total_norm(grads())),
             ),
         }
         ratios: dict[str, list[float]] = {name: [] for name in sides}

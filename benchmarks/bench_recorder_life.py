@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import spawn
 
 import gradstat
 
@@ -92,7 +92,7 @@ def main() -> int:
     _walk(args.params, args.steps)
     with tempfile.TemporaryDirectory() as run:
         rendezvous = os.path.join(run, "rendezvous")
-        mp.spawn(_agree_rank, args=(rendezvous, args.steps // 4), nprocs=2)
+        spawn(_agree_rank, args=(rendezvous, args.steps // 4), nprocs=2)  # type: ignore[no-untyped-call]
     return 0
 
 

@@ -157,7 +157,8 @@ def _run(side: str, directory: Path) -> dict[str, float]:
     seconds = time.perf_counter() - start
     process.returncode = os.waitstatus_to_exitcode(status)
     if process.returncode not in (0, 1):
-        raise SystemExit(f"{' '.join(command)} failed: {process.stderr.read().decode()}")
+        said = process.stderr.read().decode() if process.stderr else ""
+        raise SystemExit(f"{' '.join(command)} failed: {said}")
     return {"seconds": seconds, "peak_rss": usage.ru_maxrss * 1024.0}
 
 
@@ -211,7 +212,8 @@ def main() -> int:
             return 0
         mine = "ours" if args.command == "norm" else args.command
         _run("peer", directory), _run(mine, directory)  # warm the page cache
-        peers, ours = [], []
+        peers: list[dict[str, float]] = []
+        ours: list[dict[str, float]] = []
         for repeat in range(args.repeats):
             order = ("peer", mine) if repeat % 2 == 0 else (mine, "peer")
             for side in order:
