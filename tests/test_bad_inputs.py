@@ -785,3 +785,45 @@ def test_a_kind_given_for_a_gradient_snapshot_is_refused() -> None:
     assert result.exit_code == 2 and result.stdout == ""
     (line,) = result.stderr.strip().splitlines()
     assert str(SAMPLE) in line and "this is a gradient snapshot, not a checkpoint" in line
+
+
+# --- special files named like a snapshot's ------------------------------------------------------
+
+
+def _special_sources(root: Path) -> dict[str, tuple[Path, str]]:
+    """A good snapshot of each kind, and the file in it the test replaces."""
+    from tests._wgrads import Layout, Model
+
+    rank_files, dump, checkpoint = root / "rank-files", root / "iter_0000010", root / "step-1"
+    shutil.copytree(SAMPLE, rank_files)
+    Model.make(Layout(tp=2, ep=2, experts=4)).write(dump)
+    _write_checkpoint(checkpoint)
+    return {
+        "rank file": (rank_files, "rank-00003.safetensors"),
+        "wgrads file": (dump, WGRADS_VICTIM),
+        "checkpoint metadata": (checkpoint, ".metadata"),
+    }
+
+
+@pytest.mark.parametrize("special", ["a FIFO", "a character device"])
+def test_a_fifo_or_a_device_named_like_a_snapshots_file_is_refused(
+    special: str, tmp_path: Path
+) -> None:
+    """A FIFO's open waited for a writer for ever, and /dev/zero read without end (until the
+    process ran out of memory): a file that is not regular is refused in one line."""
+    for source, (directory, name) in _special_sources(tmp_path / special).items():
+        victim = directory / name
+        victim.unlink()
+        if special == "a FIFO":
+            os.mkfifo(victim)
+        else:
+            victim.symlink_to("/dev/zero")
+        result = run_gradstat("norm", directory, timeout=120)
+        assert result.returncode == 2 and result.stdout == "", (source, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1, (source, result.stderr)
+        said = lines[0].removeprefix(f"gradstat: error: {victim}: ")
+        # Rank files are listed only if regular and inside the directory; the others are opened.
+        listed = ("not a regular file, expected a rank file", "symlink leads out of the snapshot")
+        expected = listed if source == "rank file" else (f"is {special}, not a regular file",)
+        assert said.startswith(expected), (source, lines[0])

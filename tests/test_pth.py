@@ -218,7 +218,7 @@ def test_a_forged_global_is_refused_before_it_is_called(tmp_path: Path) -> None:
     [
         ([torch.zeros(2)], "a list"),
         ((torch.zeros(2),), "a tuple"),
-        (3, "a int"),
+        (3, "an int"),
         ("text", "a str"),
         (None, "None"),
         (1.5, "a float"),

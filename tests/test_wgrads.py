@@ -141,7 +141,11 @@ def test_a_name_no_rule_knows_is_refused_until_stated(tmp_path: Path) -> None:
     ("case", "message"),
     [
         ("missing_tp_file", "no file for TP rank 1, EP rank 0"),
-        ("missing_stage_file", "pipeline stage 1 has 1 files"),
+        ("missing_stage_file", "mp_rank_01_001.pth: missing: pipeline stage 1 has 1 files"),
+        # Megatron names a PP or EP rank only when that size is over 1: rank 0 alone is cut.
+        ("missing_last_stage", "ends in pipeline rank 0"),
+        ("missing_last_ep_rank", "ends in expert-parallel rank 0"),
+        ("missing_last_of_four_ep_ranks", "router.weight routes to 4 experts, but the files"),
         ("two_layouts", "rank suffixes"),
         ("stage_lacks_a_param", "has no 'decoder.layers.0.self_attention.linear_proj.bias'"),
         ("shapes_differ", "not shards of one Megatron layout"),
@@ -155,6 +159,16 @@ def test_what_cannot_be_placed_is_refused(case: str, message: str, tmp_path: Pat
         (folder / "mp_rank_01_000.pth").unlink()
     elif case == "missing_stage_file":
         (folder / "mp_rank_01_001.pth").unlink()
+    elif case == "missing_last_stage":
+        for path in folder.glob("mp_rank_*_001.pth"):
+            path.unlink()
+    elif case == "missing_last_ep_rank":
+        folder = _dump(tmp_path / "ep", Layout(pp=2, ep=2, experts=4))
+        for path in folder.glob("mp_rank_00_*_001.pth"):
+            path.unlink()
+    elif case == "missing_last_of_four_ep_ranks":
+        folder = _dump(tmp_path / "ep", Layout(ep=4, experts=4))
+        (folder / "mp_rank_00_003.pth").unlink()
     elif case == "two_layouts":
         shutil.copy(folder / "mp_rank_00_000.pth", folder / "mp_rank_00.pth")
     elif case == "stage_lacks_a_param":
@@ -178,6 +192,18 @@ def test_what_cannot_be_placed_is_refused(case: str, message: str, tmp_path: Pat
         assert message in stderr, stderr
         assert stderr.count("\n") == 1 and "Traceback" not in stderr
     assert {path.name: path.read_bytes() for path in folder.iterdir()} == before
+
+
+def test_a_last_stage_without_output_layer_or_final_norm_is_warned_of(tmp_path: Path) -> None:
+    """PP=3 without stage 2 reads as PP=2: nothing in the names says otherwise, but stage 1
+    holds neither the output layer nor the final norm that a GPT model's last stage holds."""
+    folder = _dump(tmp_path, Layout(pp=3))
+    status, _, stderr = _gradstat("norm", folder)
+    assert status == 0 and "warning" not in stderr, stderr
+    (folder / "mp_rank_00_002.pth").unlink()
+    status, _, stderr = _gradstat("norm", folder)
+    assert status == 0
+    assert "the last pipeline stage found (1) holds neither output_layer.weight" in stderr
 
 
 def test_gtp_and_a_wrong_expert_tp_are_refused(tmp_path: Path) -> None:

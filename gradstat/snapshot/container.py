@@ -30,6 +30,7 @@ import json
 import math
 import mmap
 import os
+import stat
 import struct
 import warnings
 from array import array
@@ -125,6 +126,39 @@ class TensorLayout:
 KnownLayouts = dict[str, TensorLayout]
 
 
+_NOT_REGULAR = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def open_regular(path: Path) -> int:
+    """A read-only descriptor of the regular file at ``path`` (a symlink followed).
+
+    Opened without waiting (a FIFO's open waits for a writer, for ever) and refused unless a
+    regular file: a FIFO, a device (``/dev/zero`` reads without end) or a directory named like
+    a snapshot's file is none.
+
+    Raises:
+        SnapshotError: not a regular file, naming it and what it is.
+        OSError: as ``os.open`` (the caller words it).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            what = next((said for test, said in _NOT_REGULAR if test(mode)), "not a file")
+            raise SnapshotError(f"{path}: is {what}, not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _changed(path: Path, how: str) -> SnapshotError:
     return SnapshotError(
         f"{path}: the file changed while gradstat was reading it ({how}); run again once "
@@ -145,7 +179,7 @@ def read_container(path: Path, keep_up_to: int = 0, known: KnownLayouts | None =
     """
     try:
         # The descriptor alone, no file object: a small file's read costs about as much.
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = open_regular(path)
         try:
             stamp = FileStamp.of(fd)
             size = stamp.size
@@ -347,7 +381,7 @@ class MappedTensors(Mapping[str, torch.Tensor]):
             self._view = container.data
             return self
         try:
-            descriptor = os.open(container.path, os.O_RDONLY | os.O_CLOEXEC)
+            descriptor = open_regular(container.path)
         except OSError as error:
             raise SnapshotError(
                 f"{container.path}: cannot open ({error.strerror or error})"

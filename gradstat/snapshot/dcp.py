@@ -37,7 +37,8 @@ from typing import IO, Any
 import torch
 
 from gradstat.errors import SnapshotError
-from gradstat.snapshot.dcp_pickle import Inert, MetadataUnpickler, Refused
+from gradstat.snapshot.container import open_regular
+from gradstat.snapshot.dcp_pickle import Inert, MetadataUnpickler
 
 __all__ = [
     "BytesEntry",
@@ -246,9 +247,9 @@ def load_metadata(path: Path) -> MetadataFile:
             a pickle that is not DCP metadata.
     """
     try:
-        with open(path, "rb") as file:
+        with os.fdopen(open_regular(path), "rb") as file:
             raw = MetadataUnpickler(file, path).load()
-    except Refused:
+    except SnapshotError:  # not a regular file; a global outside the allowlist (Refused)
         raise
     except FileNotFoundError as error:
         raise SnapshotError(f"{path}: no such file") from error
@@ -371,7 +372,7 @@ def metadata_paths(directory: Path) -> list[Path]:
     (saved with ``use_collectives=False``), by rank. Empty when there is none.
     """
     global_path = directory / GLOBAL_METADATA
-    if global_path.is_file():
+    if os.path.lexists(global_path):  # whatever it is: loading it says what is wrong
         return [global_path]
     try:
         names = os.listdir(directory)

@@ -39,7 +39,13 @@ from pathlib import Path
 from typing import IO, Any, NamedTuple
 
 from gradstat.errors import SnapshotError
-from gradstat.snapshot.container import MAX_HEADER_BYTES, Container, FileStamp, TensorSlot
+from gradstat.snapshot.container import (
+    MAX_HEADER_BYTES,
+    Container,
+    FileStamp,
+    TensorSlot,
+    open_regular,
+)
 from gradstat.snapshot.format import DTYPES, are_sizes, fits_torch, supported_dtypes
 
 # torch's typed storage classes, by the dtype of their elements (torch.storage's table).
@@ -142,12 +148,10 @@ def read_pth(path: Path) -> PthFile:
         SnapshotError: one line naming the file (and the tensor's key path where there is one).
     """
     try:
-        with open(path, "rb") as file:
+        with os.fdopen(open_regular(path), "rb") as file:
             return _read(path, file, FileStamp.of(file.fileno()))
     except FileNotFoundError as error:
         raise SnapshotError(f"{path}: no such file") from error
-    except IsADirectoryError as error:
-        raise SnapshotError(f"{path}: is a directory, not a file torch.save wrote") from error
     except OSError as error:
         raise SnapshotError(f"{path}: cannot read ({error.strerror or error})") from error
     except zipfile.BadZipFile as error:  # a member's local header or checksum
@@ -361,7 +365,8 @@ def _what(value: Any) -> str:
     if value is None:
         return "None"
     kind = {_Tensor: "tensor", _Storage: "storage", _StorageType: "storage class"}.get(type(value))
-    return f"a {kind or type(value).__name__}"
+    kind = kind or type(value).__name__
+    return f"{'an' if kind[0] in 'aeiouAEIOU' else 'a'} {kind}"
 
 
 def _one_line(error: BaseException) -> str:

@@ -267,9 +267,10 @@ def _parse(folder: Path, name: str) -> _Dump:
     return dump
 
 
-def _place_suffixes(dumps: list[_Dump]) -> None:
+def _place_suffixes(dumps: list[_Dump]) -> set[str]:
     """Give each file its PP and EP rank: two suffixes are PP then EP; one alone is either,
-    told apart by what the files hold (stages hold other layers, EP ranks the same names)."""
+    told apart by what the files hold (stages hold other layers, EP ranks the same names).
+    Returns the ranks the names carry (``pp``, ``ep``)."""
     widths = {len(dump.suffixes) for dump in dumps}
     if len(widths) > 1:
         odd = min(dumps, key=lambda dump: len(dump.suffixes) == len(dumps[0].suffixes))
@@ -282,23 +283,30 @@ def _place_suffixes(dumps: list[_Dump]) -> None:
         if width == 2:
             dump.pp, dump.ep = dump.suffixes
     if width != 1:
-        return
+        return {"pp", "ep"} if width == 2 else set()
     by_suffix: dict[int, set[tuple[int, str]]] = {}
     for dump in dumps:
         names = {(chunk, name) for chunk, held in dump.chunks.items() for name in held}
         by_suffix.setdefault(dump.suffixes[0], set()).update(names)
     alike = len({frozenset(names) for names in by_suffix.values()}) == 1
     experts = any(_EXPERT.search(name) for names in by_suffix.values() for _, name in names)
+    key = "ep" if alike and experts else "pp"
     for dump in dumps:
-        if alike and experts:
-            dump.ep = dump.suffixes[0]
-        else:
-            dump.pp = dump.suffixes[0]
+        setattr(dump, key, dump.suffixes[0])
+    return {key}
 
 
-def _sizes(dumps: list[_Dump], key: str, label: str) -> int:
+def _sizes(dumps: list[_Dump], key: str, label: str, named: bool = False) -> int:
+    """The size of an axis: its highest rank found, plus one; ``named``: the file names carry
+    the rank, which Megatron adds only when the size is over 1."""
     found: set[int] = {getattr(dump, key) for dump in dumps}
     size = max(found) + 1
+    if named and size == 1:
+        raise SnapshotError(
+            f"{dumps[0].path}: its name ends in {label} rank 0, which Megatron writes only when "
+            f"the {label} size is over 1, and no file of {label} rank 1 is here: the other "
+            f"{label} ranks' files are missing from the dump"
+        )
     missing = sorted(set(range(size)) - found)
     if missing:
         raise SnapshotError(
@@ -395,6 +403,48 @@ def _check_tp_size(folder: Path, names_of: list[dict[int, dict[str, Any]]], tp: 
                 return
 
 
+def _check_experts(folder: Path, names_of: list[dict[int, dict[str, Any]]], ep: int) -> None:
+    """Refuse a dump whose EP ranks hold fewer experts than the router routes to.
+
+    A MoE layer's router weight is [experts, hidden], a full copy in every file; its experts
+    are spread over the EP ranks, each file holding its own local ones. A missing last EP rank
+    looks like a smaller EP size, and would leave its experts out of every statistic.
+    """
+    for stage, chunks in enumerate(names_of):
+        for held in chunks.values():
+            for module, local in _experts_per_rank(held).items():
+                router = module.rpartition(".experts.")[0] + ".router.weight"
+                shape = held.get(router)
+                if shape and shape[0] != ep * local:
+                    raise SnapshotError(
+                        f"{folder}: {router} routes to {shape[0]} experts, but the files hold "
+                        f"{ep} EP rank{'s' if ep > 1 else ''} of {local} experts each (pipeline "
+                        f"stage {stage}): an EP rank's files are missing from the dump"
+                    )
+
+
+_LAST_STAGE = (_OUTPUT, "decoder.final_layernorm.weight", "decoder.final_norm.weight")
+
+
+def _check_last_stage(folder: Path, names_of: list[dict[int, dict[str, Any]]]) -> None:
+    """Warn when the last stage found holds nothing a GPT model's last stage holds.
+
+    Names carry no pipeline size: a missing last stage looks like a smaller one. A model whose
+    first stage holds the word embeddings holds its output layer and final norm on the last
+    stage (save the frozen ones, which have no gradient), hence a warning.
+    """
+    pp = len(names_of)
+    last = {name for held in names_of[-1].values() for name in held}
+    if pp > 1 and _EMBEDDING in names_of[0].get(0, {}) and not last & set(_LAST_STAGE):
+        warnings.warn(
+            f"{folder}: the last pipeline stage found ({pp - 1}) holds neither {_OUTPUT} nor a "
+            "final norm, which a GPT model's last stage holds: a missing mp_rank file of the "
+            "last stage?",
+            DumpWarning,
+            stacklevel=2,
+        )
+
+
 def _layer_count(names: Mapping[str, Any]) -> int:
     indices = [int(match[2]) for name in names if (match := _LAYER.match(name))]
     return max(indices, default=-1) + 1
@@ -465,7 +515,7 @@ def open_wgrads(
             "ranks of a GTP group write the same mp_rank file, so it holds one of their shards"
         )
     dumps = [_parse(folder, name) for name in names]
-    _place_suffixes(dumps)
+    named = _place_suffixes(dumps)
     places: dict[tuple[int, int, int], str] = {}
     for dump in dumps:
         place = (dump.tp, dump.pp, dump.ep)
@@ -475,8 +525,8 @@ def open_wgrads(
             )
         places[place] = dump.name
     tp = _sizes(dumps, "tp", "TP")
-    pp = _sizes(dumps, "pp", "pipeline")
-    ep = _sizes(dumps, "ep", "expert-parallel")
+    pp = _sizes(dumps, "pp", "pipeline", "pp" in named)
+    ep = _sizes(dumps, "ep", "expert-parallel", "ep" in named)
     etp = _expert_tp(folder, dumps, tp, ep, options.etp)
     writers = _writers(tp, ep, etp)
     stages: list[list[_Dump]] = [[] for _ in range(pp)]
@@ -489,14 +539,20 @@ def open_wgrads(
         dump.writer = writers[(dump.tp, dump.ep)]
         stages[dump.pp].append(dump)
     for stage, held in enumerate(stages):
-        if {(dump.tp, dump.ep) for dump in held} != set(writers):
+        absent = sorted(set(writers) - {(dump.tp, dump.ep) for dump in held})
+        if absent:
+            t, e = absent[0]
+            name = f"mp_rank_{t:02d}" + (f"_{stage:03d}" if pp > 1 else "")
+            name += (f"_{e:03d}" if ep > 1 else "") + ".pth"
             raise SnapshotError(
-                f"{folder}: pipeline stage {stage} has {len(held)} files, stage 0 {len(stages[0])}"
-                " (a file is missing)"
+                f"{folder / name}: missing: pipeline stage {stage} has {len(held)} files, "
+                f"stage 0 {len(stages[0])}"
             )
         held.sort(key=lambda dump: dump.writer)
     names_of = [_stage_names(held) for held in stages]
     _check_tp_size(folder, names_of, tp)
+    _check_experts(folder, names_of, ep)
+    _check_last_stage(folder, names_of)
     chunks = max((max(held, default=0) for held in names_of), default=0) + 1
     # Virtual stage v = chunk * PP + stage holds the layers after those of v - 1.
     offsets: dict[tuple[int, int], int] = {}
