@@ -98,39 +98,52 @@ _NON_MODEL_ROOTS = frozenset(
 )
 
 
+_STATS = frozenset(_MOMENTS) | _OTHER_STATES
+# What torch's optimizers keep per parameter group (``lr`` may be a tensor).
+_GROUP_KEYS = frozenset(
+    {"lr", "initial_lr", "betas", "eps", "weight_decay", "momentum", "dampening", "params"}
+)
+
+
 def classify_key(fqn: str) -> KeyKind:
     """Classify a checkpoint key as the checkpoint holds it.
 
     - ``grads.<param>``: a gradient dump (``dcp.save({"grads": {name: p.grad}})``).
-    - ``[optimizer.]state.<param>.<stat>`` (``get_state_dict``'s and torchtitan's flattening)
-      or ``optimizer.state.<stat>.<param>`` (Megatron's): ``exp_avg``, ``exp_avg_sq``, ``step``
-      by stat; another stat (``max_exp_avg_sq``, ``fp32_param``...) is ``other``.
-    - ``[optimizer.]param_groups...``, and the roots of trainer state (``lr_scheduler``,
-      ``dataloader``, ``train_state``, ``extra``...): ``other``, no parameter.
+    - ``<root>.state.<param>.<stat>`` (``get_state_dict``'s and torchtitan's flattening, under
+      any root: ``optimizer``, ``optim``, an ``app.optim`` of DCP's tutorial, none), or
+      ``<root>.state.<stat>.<param>`` (Megatron's), told apart by where the stat is (the last
+      word first: a parameter may be named ``param`` or ``step``): ``exp_avg``, ``exp_avg_sq``,
+      ``step`` by stat; another stat (``max_exp_avg_sq``, ``fp32_param``...) is ``other``.
+    - ``<root>.param_groups...``, anything else under ``optimizer``, and the roots of trainer
+      state (``lr_scheduler``, ``dataloader``, ``train_state``, ``extra``...): ``other``.
     - ``model.<param>``, or any other key (torchtitan saves model keys at the top level):
       ``weight``.
     """
     parts = fqn.split(".")
     if parts[0] == "grads" and len(parts) > 1:
         return KeyKind("grad", fqn[len("grads.") :])
-    if parts[0] == "optimizer":
-        parts = parts[1:]
-        if not parts:
+    if parts[0] != "model":
+        optimizer = parts[0] == "optimizer"
+        for index, part in enumerate(parts):
+            rest = parts[index + 1 :]
+            # Under another root, a stat names it an optimizer's (a module may be called state).
+            stated = rest[-1] in _STATS or rest[0] in _STATS if rest else False
+            if part == "state" and len(rest) >= 2 and (stated or index == 0 or optimizer):
+                stat_name, param = (
+                    (rest[0], rest[1:])
+                    if rest[0] in _STATS and rest[-1] not in _STATS
+                    else (rest[-1], rest[:-1])
+                )
+                return KeyKind(_MOMENTS.get(stat_name, "other"), ".".join(param))
+            grouped = parts[-1] in _GROUP_KEYS
+            if part == "param_groups" and len(rest) >= 2 and (index == 0 or optimizer or grouped):
+                # flattened: param_groups.<param>.<key>; a list's: param_groups.<n>.<key>
+                flat = len(rest) >= 2 and not rest[0].isdigit()
+                return KeyKind("other", ".".join(rest[:-1]) if flat else None)
+        if optimizer or parts[0] in _NON_MODEL_ROOTS:
             return KeyKind("other", None)
-    elif parts[0] not in ("state", "param_groups"):
-        if parts[0] in _NON_MODEL_ROOTS:
-            return KeyKind("other", None)
-        param = fqn[len("model.") :] if parts[0] == "model" and len(parts) > 1 else fqn
-        return KeyKind("weight", param)
-    if parts[0] == "state" and len(parts) >= 3:
-        if parts[1] in _MOMENTS or parts[1] in _OTHER_STATES:
-            stat_name, param = parts[1], ".".join(parts[2:])
-        else:
-            stat_name, param = parts[-1], ".".join(parts[1:-1])
-        return KeyKind(_MOMENTS.get(stat_name, "other"), param)
-    if parts[0] == "param_groups" and len(parts) >= 3 and not parts[1].isdigit():
-        return KeyKind("other", ".".join(parts[1:-1]))  # flattened: param_groups.<param>.<key>
-    return KeyKind("other", None)
+    param = fqn[len("model.") :] if parts[0] == "model" and len(parts) > 1 else fqn
+    return KeyKind("weight", param)
 
 
 # --- The checkpoint as rank files -------------------------------------------------------------

@@ -1,0 +1,100 @@
+"""Where a checkpoint keeps its optimizer's state: any root, any parameter name.
+
+DCP's tutorial saves ``{"app": AppState}`` whose state dict is ``{"model": ..., "optim": ...}``;
+other trainers save ``{"model", "optim"}`` at the top. Their moments were read as model weights
+(the weights' norm 70% high, exp_avg "not in the checkpoint"), and a parameter named ``param``
+or a module named ``step`` lost its moments to Megatron's ``state.<stat>.<param>`` reading.
+Each kind's norm is held against float64 of the tensors saved, computed here with math.fsum.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from gradstat.cli import app
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+class _Named(torch.nn.Module):
+    """Names that are also optimizer words: a parameter ``param``, a module ``step``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.param = torch.nn.Parameter(torch.randn(4, 4))
+        self.step = torch.nn.Linear(4, 5)
+        self.lin = torch.nn.Linear(5, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.step(x @ self.param))
+
+
+class _AppState:
+    """The tutorial's Stateful: the model's and optimizer's state dicts, one tree."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        weights, states = get_state_dict(self.model, self.optimizer)
+        return {"model": weights, "optim": states}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
+def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = _Named()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(torch.randn(6, 4)).square().sum().backward()
+        optimizer.step()
+    return model, optimizer
+
+
+def _l2(tensors: list[torch.Tensor]) -> float:
+    return math.sqrt(math.fsum(float(x) ** 2 for t in tensors for x in t.double().flatten()))
+
+
+def _norm(directory: Path, kind: str) -> float:
+    result = CliRunner().invoke(app, ["norm", str(directory), "--kind", kind, "--json"])
+    assert result.exit_code == 0, result.stderr
+    return float(json.loads(result.stdout)["total_norm"])
+
+
+@pytest.mark.parametrize("layout", ["app-state", "model-and-optim"])
+def test_each_kind_is_its_own_tensors_under_any_root(layout: str, tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optimizer = _trained()
+    if layout == "app-state":
+        state: dict[str, Any] = {"app": _AppState(model, optimizer)}
+    else:
+        weights, states = get_state_dict(model, optimizer)
+        state = {"model": weights, "optim": states}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(tmp_path))
+    params = list(model.parameters())
+    moments = [optimizer.state[param] for param in params]
+    expected = {
+        "weight": _l2([param.detach() for param in params]),
+        "exp_avg": _l2([moment["exp_avg"] for moment in moments]),
+        "exp_avg_sq": _l2([moment["exp_avg_sq"] for moment in moments]),
+    }
+    for kind, truth in expected.items():
+        got = _norm(tmp_path, kind)
+        assert abs(got - truth) <= 1e-6 * truth, (kind, got, truth)
