@@ -129,17 +129,16 @@ def classify_key(fqn: str) -> KeyKind:
             # Under another root, a stat names it an optimizer's (a module may be called state).
             stated = rest[-1] in _STATS or rest[0] in _STATS if rest else False
             if part == "state" and len(rest) >= 2 and (stated or index == 0 or optimizer):
-                stat_name, param = (
+                stat_name, owner = (
                     (rest[0], rest[1:])
                     if rest[0] in _STATS and rest[-1] not in _STATS
                     else (rest[-1], rest[:-1])
                 )
-                return KeyKind(_MOMENTS.get(stat_name, "other"), ".".join(param))
+                return KeyKind(_MOMENTS.get(stat_name, "other"), ".".join(owner))
             grouped = parts[-1] in _GROUP_KEYS
             if part == "param_groups" and len(rest) >= 2 and (index == 0 or optimizer or grouped):
                 # flattened: param_groups.<param>.<key>; a list's: param_groups.<n>.<key>
-                flat = len(rest) >= 2 and not rest[0].isdigit()
-                return KeyKind("other", ".".join(rest[:-1]) if flat else None)
+                return KeyKind("other", None if rest[0].isdigit() else ".".join(rest[:-1]))
         if optimizer or parts[0] in _NON_MODEL_ROOTS:
             return KeyKind("other", None)
     param = fqn[len("model.") :] if parts[0] == "model" and len(parts) > 1 else fqn
