@@ -139,7 +139,7 @@ def classify_key(fqn: str) -> KeyKind:
             if part == "param_groups" and len(rest) >= 2 and (index == 0 or optimizer or grouped):
                 # flattened: param_groups.<param>.<key>; a list's: param_groups.<n>.<key>
                 return KeyKind("other", None if rest[0].isdigit() else ".".join(rest[:-1]))
-        if optimizer or parts[0] in _NON_MODEL_ROOTS:
+        if optimizer or parts[0] in _NON_MODEL_ROOTS or parts[0] in ("state", "param_groups"):
             return KeyKind("other", None)
     param = fqn[len("model.") :] if parts[0] == "model" and len(parts) > 1 else fqn
     return KeyKind("weight", param)
