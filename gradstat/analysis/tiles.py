@@ -17,7 +17,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from itertools import product
-from pathlib import Path
 from types import TracebackType
 
 import torch
@@ -295,15 +294,17 @@ class MappedFiles:
 
     def __init__(self) -> None:
         self._stack = ExitStack()
-        self._maps: dict[Path, Mapping[str, Tensor]] = {}
+        # By rank file, not by path: a checkpoint's data file holding two chunks of one
+        # tensor is two rank files of one path, each chunk under the same record name.
+        self._maps: dict[int, tuple[RankFile, Mapping[str, Tensor]]] = {}
 
     def tensor(self, tile: Tile) -> Tensor:
         """The tile's tensor, read-only, flattened."""
-        tensors = self._maps.get(tile.rank_file.path)
-        if tensors is None:
+        found = self._maps.get(id(tile.rank_file))
+        if found is None:  # the rank file is held with its map: its id is not reused
             tensors = self._stack.enter_context(tile.rank_file.tensors())
-            self._maps[tile.rank_file.path] = tensors
-        return tensors[tile.name].reshape(-1)
+            found = self._maps[id(tile.rank_file)] = (tile.rank_file, tensors)
+        return found[1][tile.name].reshape(-1)
 
     def __enter__(self) -> MappedFiles:
         return self
