@@ -770,6 +770,15 @@ def test_bad_checkpoint(case: str, command: str, tmp_path: Path) -> None:
     assert not (tmp_path / "bad" / "ran").exists()
 
 
+def test_a_checkpoint_without_its_metadata_says_so(tmp_path: Path) -> None:
+    _write_checkpoint(tmp_path)
+    (tmp_path / ".metadata").unlink()  # an interrupted save writes the data files first
+    result = CliRunner().invoke(app, ["norm", str(tmp_path)])
+    assert result.exit_code == 2 and result.stdout == ""
+    (line,) = result.stderr.strip().splitlines()
+    assert "holds DCP data files (__0_0.distcp) but no .metadata" in line, line
+
+
 def test_a_kind_the_checkpoint_lacks_is_named_with_what_it_holds(tmp_path: Path) -> None:
     _write_checkpoint(tmp_path)
     result = CliRunner().invoke(app, ["norm", str(tmp_path), "--kind", "grad"])

@@ -371,6 +371,12 @@ def rank_file_names(folder: Path) -> list[str]:
             f"({dumped[0]}); keep each in a directory of its own"
         )
     if not names and not dumped:
+        data = sorted(name for name in listed if name.endswith(".distcp"))
+        if data:
+            raise SnapshotError(
+                f"{folder}: holds DCP data files ({data[0]}) but no .metadata or __R.metadata "
+                "file: the checkpoint's save did not finish, or its metadata was not copied"
+            )
         raise SnapshotError(
             f"{folder}: no rank files (*.safetensors) in the directory, nor a Megatron wgrads "
             "dump (mp_rank_*.pth)"
