@@ -143,3 +143,7 @@ def test_two_chunks_of_a_tensor_in_one_data_file_compare_as_themselves(tmp_path:
     (row,) = json.loads(result.stdout)["params"]
     assert row["diff_norm"] == 0.0 and row["max_abs_diff"] == 0.0 and "unchanged" in row["flags"]
     assert abs(row["norm_a"] - _l2([_ROWS])) <= 1e-12 * _l2([_ROWS])
+    # Chunks are placed as gradstat made them: no note weighs its own coordinates against them.
+    result = CliRunner().invoke(app, ["inspect", str(sharded), "--json"])
+    notes = json.loads(result.stdout)["notes"]
+    assert notes and not any("coordinates" in note for note in notes), notes

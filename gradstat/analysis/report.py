@@ -548,7 +548,8 @@ def inspect_report(snapshot: Snapshot) -> InspectReport:
         axes=snapshot.axis_sizes,
         files=files,
         params=params,
-        notes=_checkpoint_notes(snapshot) + _placement_notes(snapshot),
+        # A checkpoint's coordinates and chunk placements are gradstat's own: nothing to weigh.
+        notes=_checkpoint_notes(snapshot) or _placement_notes(snapshot),
     )
 
 
