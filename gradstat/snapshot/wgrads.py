@@ -340,8 +340,9 @@ def _expert_tp(folder: Path, dumps: list[_Dump], tp: int, ep: int, etp: int | No
             "grid): a file is missing, or the expert TP size is neither the TP size nor told "
             "by the files (state it with --etp)"
         )
+    fix = "another --etp, or none to have it found" if etp is not None else "state it with --etp"
     raise SnapshotError(
-        f"{folder}: the files' TP and EP ranks fit no expert TP size{stated}; state it with --etp"
+        f"{folder}: the files' TP and EP ranks fit no expert TP size{stated}; {fix}"
     )
 
 
