@@ -592,7 +592,8 @@ def reduced_norm(p: float, reduce: StatReduce, partials: StatCompute | None = No
         exceeds float64 (a tiny p: the 0.001-norm of two equal elements is 2^1000 times them).
     """
     if p == math.inf:
-        return float(reduce(abs_max, dist.ReduceOp.MAX))
+        peak, nan = reduce(_peak_and_nan, dist.ReduceOp.MAX).tolist()
+        return math.nan if nan else peak
 
     def default_partials(tensors: list[Tensor], device: torch.device) -> Tensor:
         return _norm_partials(tensors, p, device)
@@ -685,6 +686,15 @@ def abs_max(grads: Sequence[Tensor], device: torch.device) -> Tensor:
     if not peaks:
         return torch.zeros((), dtype=torch.float64, device=device)
     return torch.stack(peaks).max()
+
+
+def _peak_and_nan(grads: Sequence[Tensor], device: torch.device) -> Tensor:
+    """[max |x| (0 where an element is NaN), 1 if an element is NaN]: a MAX reduction over
+    ranks keeps both, where it need not keep a NaN itself (gloo's MAX drops it: a NaN on one
+    rank gave the others' finite max as the inf-norm)."""
+    peak = abs_max(grads, device)
+    nan = torch.isnan(peak)
+    return torch.stack([torch.where(nan, torch.zeros_like(peak), peak), nan.double()])
 
 
 def _abs_max_one(grad: Tensor, device: torch.device) -> Tensor:
