@@ -108,6 +108,37 @@ def test_frozen_and_unfrozen_parameters_count_as_total_norm_counts_them(tmp_path
         assert _close(recorder.step(step), _exact_norm(grads)), step
 
 
+def test_per_parameter_statistics_follow_a_parameter_given_another_shape(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``param.data`` of another shape: the step that meets it skips its per-parameter rows, as
+    its warning says, and the next steps have them again (they stopped until something else
+    changed the parameter list)."""
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
+    recorder = gradstat.Recorder(model, tmp_path, spike=None)
+    inputs = torch.randn(5, 4)
+
+    def rows(step: int) -> dict[str, float | None] | None:
+        model.zero_grad(set_to_none=True)
+        model(inputs).square().sum().backward()
+        recorder.step(step)
+        found = recorder.params
+        return None if found is None else dict(zip(found.layout.names, found.norms, strict=True))
+
+    assert rows(1) is not None
+    model[0].weight.data, model[0].bias.data = torch.randn(6, 4), torch.randn(6)
+    model[1].weight.data = torch.randn(3, 6)
+    assert rows(2) is None
+    assert "shape [6, 4] changed" in caplog.text
+    for step in (3, 4):
+        got = rows(step)
+        assert got is not None, step
+        for name, param in model.named_parameters():
+            norm = got[name]
+            assert norm is not None and _close(norm, _exact_norm([param.grad])), (step, name)
+
+
 def test_pairs_a_tensor_that_requires_grad_stands_for_its_gradient(tmp_path: Path) -> None:
     weights = torch.tensor([3.0, 4.0], requires_grad=True)
     (weights * weights).sum().backward()  # gradient [6, 8]: norm 10, the weights' 5

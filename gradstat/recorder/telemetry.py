@@ -120,6 +120,7 @@ class _Local:
     padded: list[bool]  # whether a counted tensor may hold GTP padding (not counted)
     slots: list[int]  # agreed slot of each counted tensor
     failure: str | None = None  # why this rank could not describe its gradients
+    stale: bool = False  # a gradient's shape changed under the same parameter: describe again
 
 
 def _scale(peak: float) -> float:
@@ -197,7 +198,7 @@ class Telemetry:
         """Whether this rank's parameters (``items``, as the model holds them now), or which of
         them hold a gradient, changed since the names were last agreed."""
         local = self._local
-        if local is None or local.items != tuple(map(id, items)):
+        if local is None or local.stale or local.items != tuple(map(id, items)):
             return True
         return local.held != self._held(items)
 
@@ -329,6 +330,7 @@ class Telemetry:
         for position, param, _ in local.counted:
             grad = to_local(self.gradients.gradient(items[position]))
             if tuple(grad.shape) != param.record.shape:
+                local.stale = True
                 raise GradstatError(
                     f"{param.name!r}: its gradient's shape {list(grad.shape)} changed without "
                     "its parameter changing; re-agreed at the next step"
