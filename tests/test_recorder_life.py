@@ -292,6 +292,23 @@ def test_after_a_resume_the_new_snapshots_are_kept_over_the_old_runs_larger_step
     assert [step for step, _ in complete_snapshots(tmp_path)] == [10, 15]
 
 
+def test_a_name_retention_freed_is_never_another_snapshots(tmp_path: Path) -> None:
+    """Resumes that replay step 4 with keep=1: each run's snapshot of step 4 pushes out the
+    one before. The new one took the name its removal freed (within a step, or a resume later),
+    and the earlier run's log record then named other numbers."""
+    model = torch.nn.Linear(3, 2)
+    named: list[str] = []
+    for steps in (range(1, 5), range(3, 5), range(3, 5), range(4, 5)):
+        recorder = gradstat.Recorder(model, tmp_path, every=4, keep=1, spike=None)
+        for step in steps:
+            _backward(model, torch.ones(2, 3) * step)
+            recorder.step(step)
+        recorder.wait()
+        named += [record.snapshot.name for record in recorder.records if record.snapshot]
+    assert len(named) == 4 and len(set(named)) == 4, named
+    assert [path.name for _, path in complete_snapshots(tmp_path)] == [named[-1]]
+
+
 def test_a_disk_that_holds_keep_snapshots_keeps_recording(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

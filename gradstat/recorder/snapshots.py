@@ -8,6 +8,7 @@ there; a step that already has one gets ``step-N.1``, ``step-N.2``, ... Routine 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -32,6 +33,9 @@ _ABANDONED = ".abandoned-rank-{rank:05d}"
 _COMPLETE = re.compile(r"^step-(\d+)(?:\.(\d+))?$")
 _PARTIAL = re.compile(r"^\.step-\d+\.(?:([0-9a-f]+)-\d+\.)?partial$")
 _MARKER = ".recorder.json"
+# The names of the snapshots retention removed, one a line: never given to another snapshot,
+# since a log record of an earlier run may name one.
+_REMOVED = ".removed-snapshots"
 
 
 def complete_snapshots(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:
@@ -98,6 +102,7 @@ class Snapshots:
         self.rank, self.world_size = rank, world_size
         self.attempt = ""  # set once the ranks agreed on it
         self.writing: int | None = None  # the step of the latest write
+        self._removed: set[str] = set()  # rank 0's: names retention took, in any run
         self._writer: threading.Thread | None = None
         self._dumps = 0
 
@@ -117,6 +122,8 @@ class Snapshots:
         """Rank 0 at construction: draw this attempt's id, remove earlier attempts' partial
         snapshots (their ranks are gone: they can never complete)."""
         attempt = secrets.randbits(40)
+        with contextlib.suppress(OSError):  # none yet, or unreadable: this run's own, then
+            self._removed = set((self.directory / _REMOVED).read_text().split())
         try:
             leftovers = sorted(
                 path for path in self.directory.iterdir() if _PARTIAL.match(path.name)
@@ -134,16 +141,20 @@ class Snapshots:
         return attempt
 
     def prepare(self, step: int, triggers: tuple[str, ...]) -> int:
-        """Rank 0, before the others write: make room for the snapshot (the oldest of its kind
-        goes when the kind holds ``keep``) and pick its free name (its repeat index)."""
+        """Rank 0, before the others write: pick the snapshot's free name (its repeat index),
+        then make room for it (the oldest of its kind goes when the kind holds ``keep``).
+
+        Named first: the snapshot the room is made from may be this step's of an earlier run
+        (a resume replays steps), whose log record names it; the new one must not take its
+        name, or that record would point at other numbers."""
+        repeat = 0
+        while self.final(step, repeat).exists() or self.final(step, repeat).name in self._removed:
+            repeat += 1
         routine = set(triggers) <= ROUTINE_TRIGGERS
         try:
             self._trim(routine, self.keep - 1)
         except OSError as error:
             warn(f"step {step}: cannot remove old snapshots ({error}); training goes on")
-        repeat = 0
-        while self.final(step, repeat).exists():
-            repeat += 1
         return repeat
 
     def final(self, step: int, repeat: int) -> Path:
@@ -159,7 +170,13 @@ class Snapshots:
             if kind == routine:
                 same_kind.append((written, path.name, path))
         same_kind.sort()
-        for _, _, path in same_kind[: max(0, len(same_kind) - bound)]:
+        removed = [path for _, _, path in same_kind[: max(0, len(same_kind) - bound)]]
+        if not removed:
+            return
+        self._removed.update(path.name for path in removed)
+        with open(self.directory / _REMOVED, "a") as ledger:  # before: a crash loses no name
+            ledger.write("".join(f"{path.name}\n" for path in removed))
+        for path in removed:
             shutil.rmtree(path, ignore_errors=True)
 
     # --- the dump ----------------------------------------------------------------------------
