@@ -648,7 +648,7 @@ def _grads_of(parameters: _Params, use_decoupled_grad: bool) -> list[Tensor]:
     allowed = (torch.float32, torch.bfloat16) if use_decoupled_grad else (torch.float32,)
     what = "clip_grad_by_total_norm_fp32"
     grads: list[Tensor] = []
-    seen: set[int] = set()
+    seen: set[object] = set()
     for index, param in enumerate(_as_list(parameters)):
         grad = _held_grad(param, attr, index, what)
         if grad is None:
@@ -662,10 +662,20 @@ def _grads_of(parameters: _Params, use_decoupled_grad: bool) -> list[Tensor]:
             )
         target = _clip_target(grad, f"{what}: .{attr} of parameter {index} (shape "
                               f"{tuple(grad.shape)})")  # fmt: skip
-        if id(grad) not in seen:  # the same gradient listed twice is scaled once
-            seen.add(id(grad))
+        # The same gradient listed twice, or two views of the same elements, is scaled once.
+        same = _elements(target)
+        if same not in seen:
+            seen.add(same)
             grads.append(target)
     return grads
+
+
+def _elements(tensor: Tensor) -> object:
+    """What tells the elements a tensor scales: its memory, shape, strides and dtype (one
+    object for a tensor without them, a sparse one)."""
+    if tensor.layout != torch.strided or tensor.is_meta:
+        return id(tensor)
+    return tensor.device, tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype
 
 
 def clip_coefficient(max_norm: float, total_norm: float | Tensor) -> float:

@@ -267,6 +267,16 @@ def test_the_same_gradient_listed_twice_is_scaled_once() -> None:
     torch.testing.assert_close(param.grad.double(), before * (1.0 / 4.000001), rtol=2e-7, atol=0)
 
 
+def test_two_views_of_the_same_elements_are_scaled_once() -> None:
+    """Two parameters whose .grad are distinct view objects of one buffer's same elements."""
+    buffer = torch.arange(1.0, 11.0)
+    first, second, third = (torch.nn.Parameter(torch.zeros(5)) for _ in range(3))
+    first.grad, second.grad, third.grad = buffer[:5], buffer[:5], buffer[5:]
+    clip_grad_by_total_norm_fp32([first, second, third], 1.0, 4.0)
+    expected = torch.arange(1.0, 11.0, dtype=torch.float64) * (1.0 / 4.000001)
+    torch.testing.assert_close(buffer.double(), expected, rtol=2e-7, atol=0)
+
+
 # --- item 6: sparse gradients --------------------------------------------------------------
 
 
