@@ -94,8 +94,12 @@ def test_inspect_json(snapshot_dir: Path) -> None:
     assert all(row["expert"] == ("experts" in name) for name, row in rows.items())
 
 
-def test_nonfinite_gradients_are_located_and_exit_1() -> None:
-    result = run_gradstat("norm", str(SAMPLE_DATA / "tp2-pp2-dp2-ep2-distopt-nan"), "--json")
+@pytest.mark.parametrize("norm_type", ["2", "inf", "1"])
+def test_nonfinite_gradients_are_located_and_exit_1(norm_type: str) -> None:
+    """Whatever the norm: the inf-norm alone took the NaN from the native pass's max and
+    neither located it nor exited 1."""
+    nan_snapshot = str(SAMPLE_DATA / "tp2-pp2-dp2-ep2-distopt-nan")
+    result = run_gradstat("norm", nan_snapshot, "--norm-type", norm_type, "--json")
     assert result.returncode == 1
     report = json.loads(result.stdout)  # exactly one JSON document on stdout
     assert report["total_norm"] == "nan"

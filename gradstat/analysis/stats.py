@@ -347,7 +347,9 @@ def _fused_piece(
     if param.record.attr("is_gtp_weight_remat"):
         return None
     stats = kernels.fused_stats(fused, request.finite, request.with_inf, request.zeros)
-    if stats is None:  # among others, wherever a NaN or an inf made a sum non-finite
+    # None where a NaN or an inf made a sum non-finite; the inf-norm alone is the NaN or the
+    # inf itself: either way the tensor is read to count and name them.
+    if stats is None or not all(map(math.isfinite, _partials(stats))):
         return None
     # Not a GTP shard: the padding is the stamped count or none, and the tensor is not read.
     return _piece(rank_file, param, numel, gtp_pad_zero_count(param, None), stats, None)
