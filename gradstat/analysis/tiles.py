@@ -210,7 +210,7 @@ def _box_plan(name: str, counted: Sequence[Tile]) -> BoxPlan | str:
             return "DTensor shards without a recorded global_offset are not placed"
         if tile.record.dtensor is None or tile.record.dtensor.global_shape != full_shape:
             return f"its global shape differs between rank {counted[0].rank} and {tile.rank}"
-        if found in boxes:
+        if found in boxes and tile.record.numel:  # empty shards (uneven FSDP2) hold nothing
             return f"two counted shards hold the same box (rank {tile.rank})"
         boxes.add(found)
     covered = sum(tile.record.numel for tile in counted)
