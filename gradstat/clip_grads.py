@@ -7,6 +7,7 @@ float64 accuracy, an empty gradient list allowed, and plain Python floats as res
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 from collections.abc import Callable, Iterable
@@ -649,6 +650,7 @@ def _grads_of(parameters: _Params, use_decoupled_grad: bool) -> list[Tensor]:
     what = "clip_grad_by_total_norm_fp32"
     grads: list[Tensor] = []
     seen: set[object] = set()
+    spans: list[tuple[str, int, int, int]] = []  # device, first and past-last byte, parameter
     for index, param in enumerate(_as_list(parameters)):
         grad = _held_grad(param, attr, index, what)
         if grad is None:
@@ -667,15 +669,35 @@ def _grads_of(parameters: _Params, use_decoupled_grad: bool) -> list[Tensor]:
         if same not in seen:
             seen.add(same)
             grads.append(target)
+            if target.layout == torch.strided and target.is_contiguous() and target.numel():
+                start = target.data_ptr()
+                spans.append((str(target.device), start, start + target.nbytes, index))
+    _check_disjoint(what, attr, spans)
     return grads
 
 
 def _elements(tensor: Tensor) -> object:
-    """What tells the elements a tensor scales: its memory, shape, strides and dtype (one
-    object for a tensor without them, a sparse one)."""
+    """What tells the elements a tensor scales: a contiguous one's memory and dtype (whatever
+    its shape), another's memory, shape, strides and dtype (one object for a tensor without
+    them, a sparse one)."""
     if tensor.layout != torch.strided or tensor.is_meta:
         return id(tensor)
+    if tensor.is_contiguous():
+        return tensor.device, tensor.data_ptr(), tensor.nbytes, tensor.dtype
     return tensor.device, tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype
+
+
+def _check_disjoint(what: str, attr: str, spans: list[tuple[str, int, int, int]]) -> None:
+    """Refuse gradients that share part of their memory: scaling each in place would scale the
+    shared elements twice (the same elements whole are scaled once, see :func:`_elements`)."""
+    spans.sort()
+    for (device, _, end, first), (other, start, _, second) in itertools.pairwise(spans):
+        if device == other and start < end:
+            low, high = sorted((first, second))
+            raise GradientInputError(
+                f"{what}: .{attr} of parameters {low} and {high} share part of their memory: "
+                "scaling both in place would scale the shared elements twice"
+            )
 
 
 def clip_coefficient(max_norm: float, total_norm: float | Tensor) -> float:

@@ -272,9 +272,21 @@ def test_two_views_of_the_same_elements_are_scaled_once() -> None:
     buffer = torch.arange(1.0, 11.0)
     first, second, third = (torch.nn.Parameter(torch.zeros(5)) for _ in range(3))
     first.grad, second.grad, third.grad = buffer[:5], buffer[:5], buffer[5:]
-    clip_grad_by_total_norm_fp32([first, second, third], 1.0, 4.0)
+    fourth = torch.nn.Parameter(torch.zeros(5, 1))
+    fourth.grad = buffer[:5].view(5, 1)  # the same elements in another shape
+    clip_grad_by_total_norm_fp32([first, second, third, fourth], 1.0, 4.0)
     expected = torch.arange(1.0, 11.0, dtype=torch.float64) * (1.0 / 4.000001)
     torch.testing.assert_close(buffer.double(), expected, rtol=2e-7, atol=0)
+
+
+def test_gradients_sharing_part_of_their_memory_are_refused_before_any_is_scaled() -> None:
+    buffer = torch.arange(1.0, 11.0)
+    first, second, third = (torch.nn.Parameter(torch.zeros(n)) for n in (4, 6, 3))
+    first.grad, second.grad, third.grad = buffer[:4], buffer[4:], buffer[2:5]
+    with pytest.raises(GradientInputError) as error:
+        clip_grad_by_total_norm_fp32([first, second, third], 1.0, 4.0)
+    assert "parameters 0 and 2 share part of their memory" in _one_line(error)
+    assert buffer.equal(torch.arange(1.0, 11.0))
 
 
 # --- item 6: sparse gradients --------------------------------------------------------------

@@ -10,6 +10,7 @@ import torch
 import gradstat.clip_grads as clip_grads
 from gradstat import (
     AxisPlace,
+    count_zeros_fp32,
     gtp_local_pad_zero_count,
     param_is_not_gtp_duplicate,
     param_is_not_shared,
@@ -143,3 +144,22 @@ def test_inconsistent_gtp_attributes_are_reported() -> None:
     shard.pad_length = 16
     with pytest.raises(AttributeMismatchError, match=r"range \[0, 1000\) is outside"):
         gtp_local_pad_zero_count(shard, 0, 1000)
+
+
+def test_a_gtp_shard_without_its_group_is_refused_not_miscounted() -> None:
+    """A padded GTP shard without .group: rank 0 was assumed, a data row of rank 0 was taken for
+    padding and the zero count came out -1 (a 7 x 2 weight padded to 8 rows over GTP 2)."""
+    weight = torch.arange(1.0, 15.0).reshape(7, 2)
+    weight[3, 0] = 0.0  # the one real zero, in rank 0's shard
+    shards = list(torch.cat([weight, torch.zeros(1, 2)]).chunk(2))
+    for shard in shards:
+        param = param_with(shard.clone(), is_gtp_weight_remat=True, pad_length=1)
+        with pytest.raises(AttributeMismatchError) as error:
+            count_zeros_fp32([param], None)
+        assert "no .group" in str(error.value) and "\n" not in str(error.value)
+    counts = []
+    for rank, shard in enumerate(shards):
+        param = param_with(shard.clone(), is_gtp_weight_remat=True, pad_length=1)
+        param.group = AxisPlace(rank, 2)
+        counts.append(count_zeros_fp32([param], None, gtp_group=AxisPlace(rank, 2)))
+    assert sum(counts) == 1.0

@@ -151,7 +151,15 @@ def gtp_local_pad_zero_count(gtp_shard: Any, range_start: int, range_end: int) -
     if pad_length == 0 or numel == 0:
         return 0
     rows = int(gtp_shard.shape[0]) if gtp_shard.dim() > 0 else 1
-    group = getattr(gtp_shard, "group", None)
+    if not hasattr(gtp_shard, "group"):
+        # Which rank of its GTP group it is decides where its padding lies; without it rank 0
+        # was assumed, its data rows taken for padding (a zero count of -1).
+        raise AttributeMismatchError(
+            f"{_param_label(gtp_shard)}: a GTP shard with pad_length {pad_length} but no .group: "
+            "where its padding lies depends on its rank in the GTP group; set .group (Megatron's "
+            "GTP shards carry it; None for a GTP size of 1)"
+        )
+    group = gtp_shard.group
     gtp_rank, gtp_size = group_rank(group), group_size(group)
     padded_rows = rows * gtp_size
     if not 0 <= pad_length <= padded_rows:
