@@ -91,6 +91,12 @@ class ParamSeries:
     jump_kind: str | None = None  # one of JUMP_KINDS
     jump_ratio: float | None = None  # a norm jump: the norm over its baseline
 
+    @property
+    def went_nonfinite(self) -> bool:
+        """Whether a NaN or an Inf reached it at some step (its first jump may be another)."""
+        finite = all(math.isfinite(norm) for norm in self.norms if norm is not None)
+        return any(self.nan) or any(self.inf) or not finite
+
     def add(
         self,
         step: int,

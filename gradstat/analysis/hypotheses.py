@@ -312,7 +312,8 @@ def rank_local(pieces: Sequence[TensorPiece], norm_type: float | None) -> list[P
             variants.append(("unreduced", kept, what))
         for suffix, chosen, description in variants:
             value = measure(chosen, norm_type)
-            if not chosen or math.isclose(value, exact, rel_tol=1e-12, abs_tol=0.0):
+            # 0 is no prediction (a rank whose counted tensors are all GTP padding, or none).
+            if not chosen or value == 0 or math.isclose(value, exact, rel_tol=1e-12, abs_tol=0):
                 continue
             found.append(Prediction(f"rank_{rank}_{suffix}", value, names(chosen), description))
     return found

@@ -580,7 +580,10 @@ def _refuse_overflow(snapshot_dir: Path, stats: SnapshotStats, p: float, shown: 
 
 
 def _emit(as_json: bool, document: dict[str, Any], draw: Callable[[Console], None]) -> None:
-    """Print the results: one JSON document (ASCII, names as they are), or rich tables."""
+    """Print the results: one JSON document (ASCII, names as they are), or rich tables; under
+    a launcher, process 0 alone (every process of ``inspect`` or a log's ``history`` has them)."""
+    if not _session().speaks():
+        return
     _session().stop_progress()
     with _quiet_broken_pipe():
         if as_json:
@@ -1075,7 +1078,7 @@ def history(
         write_pictures(found, plot, tensorboard, top or 8, progress)
         session.stop_progress()
     _emit(as_json, found.to_json(), lambda console: print_history(console, found, top or 20))
-    if any(series.jump_kind == "nonfinite" for series in found.params.values()):
+    if any(series.went_nonfinite for series in found.params.values()):
         raise typer.Exit(EXIT_FINDINGS)
 
 
