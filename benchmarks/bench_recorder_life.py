@@ -62,7 +62,9 @@ def _walk(params: int, steps: int) -> None:
 def _agree_rank(rank: int, rendezvous: str, steps: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
-    agreement = gradstat.Recorder(torch.nn.Linear(2, 2), "unused")._agreement
+    # The recorder's directory beside the rendezvous file: nothing is written where it runs.
+    run = os.path.join(os.path.dirname(rendezvous), "recorder")
+    agreement = gradstat.Recorder(torch.nn.Linear(2, 2), run)._agreement
     values = torch.zeros(5, dtype=torch.int64)
 
     def ours() -> None:
