@@ -294,7 +294,9 @@ def explain_pieces(
     # Stable: at one distance the exact value, then the registry's order.
     # The exact value first when it matches: a logged number rounded for the log also lies
     # within rtol of the reduced-precision hypotheses, which must not be named best then.
-    rows.sort(key=lambda row: (not row.match, row.name != "exact", row.distance))
+    rows.sort(
+        key=lambda row: (not row.match, not (row.match and row.name == "exact"), row.distance)
+    )
     return ExplainReport(
         info,
         "norm" if norm_type is not None else "zeros",
