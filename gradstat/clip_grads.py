@@ -665,26 +665,27 @@ def _grads_of(parameters: _Params, use_decoupled_grad: bool) -> list[Tensor]:
         target = _clip_target(grad, f"{what}: .{attr} of parameter {index} (shape "
                               f"{tuple(grad.shape)})")  # fmt: skip
         # The same gradient listed twice, or two views of the same elements, is scaled once.
-        same = _elements(target)
+        same, span = _elements(target)
         if same not in seen:
             seen.add(same)
             grads.append(target)
-            if target.layout == torch.strided and target.is_contiguous() and target.numel():
-                start = target.data_ptr()
-                spans.append((str(target.device), start, start + target.nbytes, index))
+            if span is not None:
+                spans.append((*span, index))
     _check_disjoint(what, attr, spans)
     return grads
 
 
-def _elements(tensor: Tensor) -> object:
+def _elements(tensor: Tensor) -> tuple[object, tuple[str, int, int] | None]:
     """What tells the elements a tensor scales: a contiguous one's memory and dtype (whatever
     its shape), another's memory, shape, strides and dtype (one object for a tensor without
-    them, a sparse one)."""
+    them, a sparse one); and a non-empty contiguous one's bytes (device, first, past-last)."""
     if tensor.layout != torch.strided or tensor.is_meta:
-        return id(tensor)
-    if tensor.is_contiguous():
-        return tensor.device, tensor.data_ptr(), tensor.nbytes, tensor.dtype
-    return tensor.device, tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype
+        return id(tensor), None
+    start = tensor.data_ptr()
+    if not tensor.is_contiguous():
+        return (tensor.device, start, tensor.shape, tensor.stride(), tensor.dtype), None
+    span = (str(tensor.device), start, start + tensor.nbytes) if tensor.numel() else None
+    return (tensor.device, start, tensor.nbytes, tensor.dtype), span
 
 
 def _check_disjoint(what: str, attr: str, spans: list[tuple[str, int, int, int]]) -> None:

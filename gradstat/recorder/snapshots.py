@@ -148,7 +148,7 @@ class Snapshots:
         (a resume replays steps), whose log record names it; the new one must not take its
         name, or that record would point at other numbers."""
         repeat = 0
-        while self.final(step, repeat).exists() or self.final(step, repeat).name in self._removed:
+        while (path := self.final(step, repeat)).exists() or path.name in self._removed:
             repeat += 1
         routine = set(triggers) <= ROUTINE_TRIGGERS
         try:

@@ -124,19 +124,19 @@ def classify_key(fqn: str) -> KeyKind:
         return KeyKind("grad", fqn[len("grads.") :])
     if parts[0] != "model":
         optimizer = parts[0] == "optimizer"
-        for index, part in enumerate(parts):
+        grouped = parts[-1] in _GROUP_KEYS
+        for index, part in enumerate(parts[:-2]):  # a state or param_groups word, two after it
             rest = parts[index + 1 :]
-            # Under another root, a stat names it an optimizer's (a module may be called state).
-            stated = rest[-1] in _STATS or rest[0] in _STATS if rest else False
-            if part == "state" and len(rest) >= 2 and (stated or index == 0 or optimizer):
-                stat_name, owner = (
-                    (rest[0], rest[1:])
-                    if rest[0] in _STATS and rest[-1] not in _STATS
-                    else (rest[-1], rest[:-1])
-                )
-                return KeyKind(_MOMENTS.get(stat_name, "other"), ".".join(owner))
-            grouped = parts[-1] in _GROUP_KEYS
-            if part == "param_groups" and len(rest) >= 2 and (index == 0 or optimizer or grouped):
+            if part == "state":
+                # Under another root, a stat names it an optimizer's (a module may be called
+                # state); the last word is the stat unless only the first is one (Megatron's).
+                first, last = rest[0] in _STATS, rest[-1] in _STATS
+                if first or last or index == 0 or optimizer:
+                    stat_name, owner = (
+                        (rest[0], rest[1:]) if first and not last else (rest[-1], rest[:-1])
+                    )
+                    return KeyKind(_MOMENTS.get(stat_name, "other"), ".".join(owner))
+            if part == "param_groups" and (index == 0 or optimizer or grouped):
                 # flattened: param_groups.<param>.<key>; a list's: param_groups.<n>.<key>
                 return KeyKind("other", None if rest[0].isdigit() else ".".join(rest[:-1]))
         if optimizer or parts[0] in _NON_MODEL_ROOTS or parts[0] in ("state", "param_groups"):
