@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-from tests._forkenv import SOCKET_VARIABLE, comparable
+from tests._forkenv import SOCKET_VARIABLE, differing
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_DATA = ROOT / "sample_data"
@@ -46,10 +46,10 @@ def run_gradstat(
 ) -> subprocess.CompletedProcess[str]:
     """Run gradstat with ``args`` in a fresh process and return what it did.
 
-    A plain ``python -m gradstat``, or torchrun's launcher and each of its workers (no script,
-    directory or environment of their own), are forked from :class:`_ForkServer`, which has
-    imported torch once; anything else, and every run when ``GRADSTAT_TEST_FORK=0``, starts new
-    interpreters.
+    ``python -m gradstat``, the console script, or torchrun's launcher and each of its workers
+    are forked from :class:`_ForkServer`, which has imported torch once, where the environment
+    lets it (see :meth:`_ForkServer.serves`); else, and every run when
+    ``GRADSTAT_TEST_FORK=0``, they are new interpreters.
 
     Args:
         args: the command line after ``gradstat``.
@@ -61,10 +61,13 @@ def run_gradstat(
         timeout: seconds before the run is killed (``subprocess.TimeoutExpired``).
     """
     words = list(map(str, args))
-    if nproc is not None and not script and cwd is None and not env:
-        return run_torchrun(nproc, "-m", "gradstat", *words, launcher=launcher, timeout=timeout)
-    if nproc is None and not script and cwd is None and not env and _ForkServer.serves():
-        return _ForkServer.run("gradstat", words, timeout)
+    if nproc is not None and not script:
+        worker = ("-m", "gradstat", *words)
+        return run_torchrun(nproc, *worker, launcher=launcher, cwd=cwd, env=env, timeout=timeout)
+    environ = {**os.environ, **(env or {})}
+    if nproc is None and _ForkServer.serves(environ):
+        target = {"script": str(BIN / "gradstat")} if script else {"module": "gradstat"}
+        return _ForkServer.run(target, words, timeout, cwd, environ)
     if nproc is not None:
         start = ["--standalone", f"--nproc-per-node={nproc}", *launcher]
         command = [str(BIN / "torchrun"), *start, "-m", "gradstat"]
@@ -75,7 +78,26 @@ def run_gradstat(
     return subprocess.run(
         [*command, *words],
         cwd=cwd,
-        env={**os.environ, **(env or {})},
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def run_python(
+    code: str, *args: str, env: Mapping[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """``python -c CODE ARGS`` with ``env`` added to this environment, forked from
+    :class:`_ForkServer` where it serves; else a new interpreter. Not for code that tests what
+    a fresh interpreter imports (the server has imported torch and gradstat's CLI)."""
+    environ = {**os.environ, **(env or {})}
+    if _ForkServer.serves(environ):
+        return _ForkServer.run({"code": code}, list(args), timeout, None, environ)
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        env=environ,
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -84,22 +106,31 @@ def run_gradstat(
 
 
 def run_torchrun(
-    nproc: int, *worker: str, launcher: Sequence[str] = (), timeout: float = 300
+    nproc: int,
+    *worker: str,
+    launcher: Sequence[str] = (),
+    cwd: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 300,
 ) -> subprocess.CompletedProcess[str]:
-    """``torchrun --standalone --nproc-per-node NPROC [LAUNCHER] WORKER`` in this directory and
-    environment, ``WORKER`` being ``-m MODULE ARGS`` or ``SCRIPT ARGS``.
+    """``torchrun --standalone --nproc-per-node NPROC [LAUNCHER] WORKER`` in ``cwd`` (default:
+    this directory) with ``env`` added to this environment, ``WORKER`` being ``-m MODULE ARGS``
+    or ``SCRIPT ARGS``.
 
     The launcher and each worker are forked from :class:`_ForkServer` where it serves (each
     worker through tests/_fork_client.py, which stands in for it); else all are new
     interpreters.
     """
     start = ["--standalone", f"--nproc-per-node={nproc}", *launcher]
-    if _ForkServer.serves():
+    environ = {**os.environ, **(env or {})}
+    if _ForkServer.serves(environ):
         client = str(ROOT / "tests" / "_fork_client.py")
-        return _ForkServer.run("torch.distributed.run", [*start, client, *worker], timeout)
+        target = {"module": "torch.distributed.run"}
+        return _ForkServer.run(target, [*start, client, *worker], timeout, cwd, environ)
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", *start, *worker],
-        env=dict(os.environ),  # not the C library's: readline sets COLUMNS there
+        cwd=cwd,
+        env=environ,  # not the C library's: readline sets COLUMNS there
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -107,37 +138,43 @@ def run_torchrun(
     )
 
 
+# How the command line names each kind of request's target.
+_FLAGS = {"module": ["-m"], "script": [], "code": ["-c"]}
+
+
 class _ForkServer:
     """Processes forked from one process that imported torch (tests/_forkserver.py).
 
     A fresh interpreter spends 1.1 of its 1.2 s here on ``import torch`` (3 of 3.3 s on a slow
-    day), and the suite starts hundreds: ``python -m gradstat`` runs, and torchrun's launcher
-    and workers. The server is started at the first run and serves the session, with the
-    environment :func:`pin_fork_server_environment` took (conftest.py pins it before any test
-    can change it; else the one at the first run). The process of each run has the environment
-    of this process at the time of the call. Where that differs from the server's in anything
-    that is read at import (every variable but ``_forkenv.VOLATILE``), the run is a new
+    day), and the suite starts hundreds: ``python -m gradstat`` and console-script runs, and
+    torchrun's launcher and workers. The server is started at the first run and serves the
+    session, with the environment :func:`pin_fork_server_environment` took (conftest.py pins it
+    before any test can change it; else the one at the first run). The process of each run has
+    the environment and working directory it is given. Where that environment differs from the
+    server's in anything that is read at import (every variable but ``_forkenv.VOLATILE`` and a
+    thread count, which the process applies: ``_forkenv.differing``), the run is a new
     interpreter instead.
     """
 
     _process: subprocess.Popen[bytes] | None = None
     _socket: ClassVar[str] = ""
     _pinned: ClassVar[dict[str, str] | None] = None  # the server's whole environment
-    _environ: ClassVar[dict[str, str]] = {}  # what of it a run's must equal
 
     @classmethod
-    def serves(cls) -> bool:
-        if os.environ.get("GRADSTAT_TEST_FORK", "1") == "0":
+    def serves(cls, environ: Mapping[str, str] | None = None) -> bool:
+        """Whether a run with ``environ`` (default: this process's) can be forked."""
+        environ = os.environ if environ is None else environ
+        if environ.get("GRADSTAT_TEST_FORK", "1") == "0":
             return False
         if cls._process is None or cls._process.poll() is not None:
             cls._start()
-        return comparable(os.environ) == cls._environ
+        assert cls._pinned is not None
+        return not differing(cls._pinned, environ, launched=False)
 
     @classmethod
     def _start(cls) -> None:
         if cls._pinned is None:
             cls._pinned = dict(os.environ)
-        cls._environ = comparable(cls._pinned)
         folder = tempfile.mkdtemp(prefix="gradstat-fork-")
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
         cls._socket = str(Path(folder) / "socket")
@@ -161,14 +198,24 @@ class _ForkServer:
         process.wait()
 
     @classmethod
-    def run(cls, module: str, args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
-        """``python -m MODULE ARGS`` forked from the server, its workers too for torchrun."""
-        shown = [sys.executable, "-m", module, *args]
+    def run(
+        cls,
+        target: dict[str, str],
+        args: list[str],
+        timeout: float,
+        cwd: Path | None,
+        environ: Mapping[str, str],
+    ) -> subprocess.CompletedProcess[str]:
+        """``python -m MODULE ARGS`` (``target`` {"module": MODULE}), ``python SCRIPT ARGS``
+        ({"script": SCRIPT}) or ``python -c CODE ARGS`` ({"code": CODE}) forked from the server
+        in ``cwd`` with ``environ``, torchrun's workers too."""
+        ((kind, value),) = target.items()
+        shown = [sys.executable, *_FLAGS[kind], value, *args]
         request = {
-            "module": module,
+            **target,
             "args": args,
-            "environ": {**os.environ, SOCKET_VARIABLE: cls._socket},
-            "cwd": os.getcwd(),
+            "environ": {**environ, SOCKET_VARIABLE: cls._socket},
+            "cwd": str(cwd or os.getcwd()),
             "unbuffered": False,
             "group": True,
         }

@@ -18,8 +18,8 @@ SOCKET_VARIABLE = "GRADSTAT_TEST_FORK_SOCKET"
 VOLATILE = frozenset(("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", SOCKET_VARIABLE))
 
 # What torchrun sets in its workers' environment, none of it read at import but the thread
-# count (the server applies it in the process). "_" is the shell's, which a launcher's children
-# may differ in.
+# count (the server applies it in the process, see differing). "_" is the shell's, which a
+# launcher's children may differ in.
 LAUNCHER_VARIABLES = frozenset(
     (
         "GROUP_RANK",
@@ -51,3 +51,21 @@ def comparable(environ: Mapping[str, str], also: frozenset[str] = frozenset()) -
     variables, for its workers)."""
     ignored = VOLATILE | also
     return {key: value for key, value in environ.items() if key not in ignored}
+
+
+def threads(environ: Mapping[str, str]) -> int | None:
+    """The thread count ``OMP_NUM_THREADS`` asks torch for, None where it asks for none."""
+    value = environ.get("OMP_NUM_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def differing(server: Mapping[str, str], run: Mapping[str, str], launched: bool) -> list[str]:
+    """The variables read at import that a run's environment has other than the server's.
+
+    A thread count the run asks for is not among them: the server's process applies it as
+    torch would have as it loaded (the only such variable torchrun sets in its workers, too)."""
+    also = LAUNCHER_VARIABLES if launched else frozenset()
+    if threads(run) is not None:
+        also |= {"OMP_NUM_THREADS"}
+    mine, theirs = comparable(server, also), comparable(run, also)
+    return sorted(key for key in mine.keys() | theirs.keys() if mine.get(key) != theirs.get(key))

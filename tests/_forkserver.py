@@ -4,29 +4,31 @@ Run as ``python tests/_forkserver.py SOCKET``. It imports what every gradstat co
 torchrun launcher import (torch is nearly all of a process's start on a small machine: 1.1 of
 1.2 s, and 3 of 3.3 s on a slow day), then listens on the Unix socket ``SOCKET``. Each
 connection asks for one process: ``python -m MODULE ARGS`` (``gradstat``, or
-``torch.distributed.run``: torchrun's launcher) or ``python SCRIPT ARGS``, with the caller's
-stdin, stdout and stderr (passed over the socket), environment and working directory. The server
-forks a handler for it, which forks the process and reports on it, so that a launcher and its
-workers run at once. From the fork on, the process is what the fresh interpreter would be: its
-own descriptors, ``sys.argv``, ``sys.path[0]``, environment and working directory, the module run
-as ``__main__`` at the top level, so that an uncaught exception, ``SystemExit``, atexit handlers
-and the interpreter's shutdown are the ones a fresh process has. (A DataLoader's workers are
-forked from a process that has imported torch in the same way.)
+``torch.distributed.run``: torchrun's launcher), ``python SCRIPT ARGS`` or ``python -c CODE
+ARGS``, with the caller's stdin, stdout and stderr (passed over the socket), environment and
+working directory. The server forks a handler for it, which forks the process and reports on
+it, so that a launcher and its workers run at once. From the fork on, the process is what the
+fresh interpreter would be: its own descriptors, ``sys.argv``, ``sys.path[0]``, environment and
+working directory, the module, script or code run as ``__main__`` at the top level, so that an
+uncaught exception, ``SystemExit``, atexit handlers and the interpreter's shutdown are the ones
+a fresh process has. (A DataLoader's workers are forked from a process that has imported torch
+in the same way.)
 
-A request is one JSON line, ``{"module" | "script", "args", "environ", "cwd", "unbuffered"}``,
-sent with the three descriptors. The handler answers ``{"pid"}`` once the process runs (or
-``{"refused"}``, see below) and ``{"status"}`` (the exit code as ``subprocess`` gives it: minus
-the signal that killed it) when it is gone; a caller that hangs up before then has the process
-killed. torchrun's workers start through tests/_fork_client.py, which forwards the launcher's
-signals to the process it stands for.
+A request is one JSON line, ``{"module" | "script" | "code", "args", "environ", "cwd",
+"unbuffered"}``, sent with the three descriptors. The handler answers ``{"pid"}`` once the
+process runs (or ``{"refused"}``, see below) and ``{"status"}`` (the exit code as
+``subprocess`` gives it: minus the signal that killed it) when it is gone; a caller that hangs
+up before then has the process killed. torchrun's workers start through
+tests/_fork_client.py, which forwards the launcher's signals to the process it stands for.
 
 The environment is read at import in places (torch reads ``OMP_NUM_THREADS`` as it loads), so
 a request whose environment differs from the server's is refused, except for what torchrun sets
-for its workers: their thread count is set as torch would have set it from the variable.
+for its workers and a thread count: that is set as torch would have set it from the variable.
 """
 
 from __future__ import annotations
 
+import builtins
 import importlib
 import io
 import json
@@ -36,6 +38,7 @@ import select
 import signal
 import socket
 import sys
+import types
 from typing import Any
 
 # What every command and torchrun's launcher import; about all of their start.
@@ -50,7 +53,7 @@ for _module in (
     importlib.import_module(_module)
 
 import torch  # noqa: E402 (imported above, named here)
-from _forkenv import LAUNCHER_VARIABLES, comparable  # noqa: E402 (tests/, this script's)
+from _forkenv import differing, threads  # noqa: E402 (tests/, this script's)
 
 
 def _message(connection: socket.socket, document: dict[str, Any]) -> None:
@@ -72,13 +75,9 @@ def _handle(connection: socket.socket, server_environ: dict[str, str]) -> dict[s
     """Run one request: return it (in the forked process), or None once the process is gone."""
     request, descriptors = _request(connection)
     launched = "RANK" in request["environ"] and "TORCHELASTIC_RUN_ID" in request["environ"]
-    also = LAUNCHER_VARIABLES if launched else frozenset()
-    mine, theirs = comparable(server_environ, also), comparable(request["environ"], also)
-    if theirs != mine:
-        differing = sorted(
-            key for key in mine.keys() | theirs.keys() if mine.get(key) != theirs.get(key)
-        )
-        _message(connection, {"refused": f"the environment differs in {', '.join(differing)}"})
+    others = differing(server_environ, request["environ"], launched)
+    if others:
+        _message(connection, {"refused": f"the environment differs in {', '.join(others)}"})
         return None
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     pid = os.fork()
@@ -140,9 +139,9 @@ def _become(request: dict[str, Any]) -> None:
     os.environ.clear()
     os.environ.update(request["environ"])
     os.chdir(request["cwd"])
-    threads = request["environ"].get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and 0 < int(threads) != torch.get_num_threads():
-        torch.set_num_threads(int(threads))  # as torch does from the variable as it loads
+    asked = threads(request["environ"])
+    if asked is not None and asked != torch.get_num_threads():
+        torch.set_num_threads(asked)  # as torch does from the variable as it loads
     if request["unbuffered"]:  # python -u, as torchrun starts its workers
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
         sys.stderr = io.TextIOWrapper(
@@ -152,6 +151,13 @@ def _become(request: dict[str, Any]) -> None:
         sys.argv = ["-m", *request["args"]]
         sys.path[0] = os.getcwd()
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+    elif "code" in request:  # python -c CODE: run in a __main__ of its own, as there
+        sys.argv = ["-c", *request["args"]]
+        sys.path[0] = ""
+        main = types.ModuleType("__main__")
+        main.__builtins__ = builtins  # type: ignore[attr-defined]
+        sys.modules["__main__"] = main
+        exec(compile(request["code"], "<string>", "exec"), vars(main))
     else:
         script = request["script"]
         sys.argv = [script, *request["args"]]

@@ -19,7 +19,6 @@ import random
 import shutil
 import struct
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gradstat.cli import app
-from tests._cli import SAMPLE_DATA, run_gradstat
+from tests._cli import SAMPLE_DATA, run_gradstat, run_python
 
 SAMPLE = SAMPLE_DATA / "gtp2-pp2-dp2-ep2"
 RANK1 = "rank-00001.safetensors"
@@ -411,9 +410,7 @@ def test_symlink_loop_directory(tmp_path: Path) -> None:
 
 def _gradstat(code: str, *args: str) -> subprocess.CompletedProcess[str]:
     """``python -c code args``: the CLI in a process of its own, where a crash is a status."""
-    return subprocess.run(
-        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300
-    )
+    return run_python(code, *args)
 
 
 def _one_error_line(result: subprocess.CompletedProcess[str], *parts: str) -> None:

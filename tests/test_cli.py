@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -305,6 +307,33 @@ def test_a_forked_run_is_what_a_fresh_interpreter_does(
     assert forked.stdout or forked.stderr
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["zeros", str(SAMPLE_DATA / "tp2-pp2-dp2-ep2-distopt-nan"), "--json"],
+        ["norm", "/nonexistent"],
+        ["nonsense"],
+    ],
+    ids=["json, exit 1", "exit 2", "usage"],
+)
+def test_a_forked_console_script_elsewhere_is_what_a_fresh_one_does(
+    args: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The console script run from another directory with a thread count of its own (as
+    tests/test_cli_scripts.py runs it) is forked too, and does what it does started afresh."""
+    threads = {"OMP_NUM_THREADS": "1"}
+    assert _cli._ForkServer.serves({**os.environ, **threads})
+    forked = run_gradstat(*args, script=True, cwd=tmp_path, env=threads)
+    monkeypatch.setenv("GRADSTAT_TEST_FORK", "0")
+    fresh = run_gradstat(*args, script=True, cwd=tmp_path, env=threads)
+    assert (forked.returncode, forked.stdout, forked.stderr) == (
+        fresh.returncode,
+        fresh.stdout,
+        fresh.stderr,
+    )
+    assert forked.stdout or forked.stderr
+
+
 def _gradstat_lines(stderr: str) -> list[str]:
     """gradstat's own lines (torchrun's launcher stamps its lines with times and pids)."""
     return [line for line in stderr.splitlines() if line.startswith(("gradstat:", "gradstat["))]
@@ -331,6 +360,41 @@ def test_a_forked_torchrun_is_what_a_fresh_one_does(
     assert (forked.returncode, forked.stdout) == (fresh.returncode, fresh.stdout), forked.stderr
     assert _gradstat_lines(forked.stderr) == _gradstat_lines(fresh.stderr)
     assert forked.stdout or _gradstat_lines(forked.stderr)
+
+
+# A script that says whether torch was imported before it started (then it was forked), and
+# what a fresh interpreter's start would have set: its thread count, directory and sys.path[0].
+_SCRIPT = """
+import os, sys
+started_with = sorted(name for name in ("torch", "gradstat.cli.app") if name in sys.modules)
+import torch
+print(started_with, torch.get_num_threads(), os.getcwd(), sys.path[0])
+"""
+
+
+def test_a_script_forked_elsewhere_has_a_fresh_starts_directory_and_threads(
+    tmp_path: Path,
+) -> None:
+    """The negative control of the console-script test above: the run was forked, not refused
+    and started afresh, in its own directory and with the thread count it asked for."""
+    script, elsewhere = tmp_path / "bin" / "script.py", tmp_path / "elsewhere"
+    script.parent.mkdir()
+    elsewhere.mkdir()
+    script.write_text(_SCRIPT)
+    environ = {**os.environ, "OMP_NUM_THREADS": "1"}
+    forked = _cli._ForkServer.run({"script": str(script)}, [], 60, elsewhere, environ)
+    fresh = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=elsewhere,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    tail = f"1 {elsewhere} {script.parent}"
+    assert forked.stdout == f"['gradstat.cli.app', 'torch'] {tail}\n", forked.stderr
+    assert fresh.stdout == f"[] {tail}\n"
 
 
 # A torchrun worker that says whether torch was imported before it started (then it was forked)

@@ -1,7 +1,9 @@
 """The CLI for scripts and for people (issue 13), run as a user runs it.
 
 Every run is a subprocess: the console script or torchrun, from a directory outside the
-checkout, with stderr on a pipe, or on a pseudo-terminal where a progress bar is expected. The
+checkout, with stderr on a pipe, or on a pseudo-terminal where a progress bar is expected
+(forked from tests/_cli.py's server where the environment allows; the runs without numpy, and
+those on a terminal, are fresh interpreters). The
 JSON lists every parameter, finding and mismatch; torchrun runs ``-m gradstat`` from anywhere;
 under torchrun an error is said once and ``--status-file`` keeps gradstat's exit status;
 ``clip`` creates missing parents; a Python without numpy starts clean; all-zero gradients are

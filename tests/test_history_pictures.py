@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import subprocess
-import sys
 import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,7 @@ from typer.testing import CliRunner
 
 import gradstat
 from gradstat.cli import app
-from tests._cli import run_gradstat
+from tests._cli import run_gradstat, run_python
 from tests._oracle import float64_norm, zeros_in
 
 SPIKE_AT, MISMATCH_AT, NAN_AT, STEPS = 5, 7, 10, 12
@@ -209,15 +208,14 @@ def test_a_bad_target_is_refused_before_anything_is_written(
 def test_a_missing_extra_is_named(
     run: Run, tmp_path: Path, module: str, option: str, target: str
 ) -> None:
-    # A fresh process where the module cannot be imported, as in an install without the extra.
+    # A process of its own where the module cannot be imported, as in an install without the
+    # extra (the fork server has not imported it either).
     argv = ["gradstat", "history", str(run.root), option, str(tmp_path / target)]
     script = (
         f"import sys; sys.modules[{module!r}] = None; sys.argv = {argv!r}; "
         "from gradstat.cli import main; main()"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False
-    )
+    result = run_python(script)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr == (
         f"gradstat: error: {option} needs {module}: pip install 'gradstat[plot]'\n"

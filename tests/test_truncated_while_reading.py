@@ -4,7 +4,8 @@ The truncation lands where a real one is hardest to see: after the reader valida
 and after the lookup checked the tensor's file size, before the tensor's bytes are read (a job
 rewriting its dump while someone reads it). Mapped pages past the new end then fault with
 SIGBUS, which used to kill the process with no message. Each run is a fresh process (the CLI
-as a user runs it, with the truncation patched in), so that a crash cannot take pytest down.
+as a user runs it, with the truncation patched in; forked from tests/_cli.py's server), so
+that a crash cannot take pytest down.
 """
 
 from __future__ import annotations
@@ -13,33 +14,37 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from gradstat.snapshot import save_rank
+from tests._cli import run_python
 
-# Runs the CLI on argv[6:] with the rank file argv[1] truncated to half its size (with CUT_TAIL
-# set, by its last 100 bytes) in the argv[2]-th pass over it (the argv[2]-th ``with`` block of
-# its tensors, counted from 0): argv[3] "after", right after that pass's argv[4]-th tensor
-# lookup returned (its size check passed; a mapped view's pages are touched later, by the
-# reduction or the copy); "before-read", as that pass first reads a tensor's bytes (where
-# tensors are read, not mapped); "count", not at all. Writes each pass's lookups to argv[5].
+# Runs the CLI on argv[8:] with the rank file argv[1] truncated to half its size (argv[5]
+# "half") or by its last 100 bytes ("tail") in the argv[2]-th pass over it (the argv[2]-th
+# ``with`` block of its tensors, counted from 0): argv[3] "after", right after that pass's
+# argv[4]-th tensor lookup returned (its size check passed; a mapped view's pages are touched
+# later, by the reduction or the copy); "before-read", as that pass first reads a tensor's bytes
+# (where tensors are read, not mapped); "count", not at all. GRADSTAT_NATIVE is argv[6]. Writes
+# each pass's lookups to argv[7].
 _TRUNCATING_CLI = """
 import atexit, json, os, sys
 from gradstat.snapshot import container
 
-path, chosen, how, at, report = sys.argv[1:6]
+path, chosen, how, at, tail, native, report = sys.argv[1:8]
 chosen, at = int(chosen), int(at)
+from gradstat.core.native import native_library
+assert native_library.cache_info().currsize == 0, "the kernel was wanted before GRADSTAT_NATIVE"
+os.environ["GRADSTAT_NATIVE"] = native  # read when the kernel is first wanted
 lookups = []
 atexit.register(lambda: open(report, "w").write(json.dumps(lookups)))
 tensors = container.MappedTensors
 
 def cut():
     size = os.path.getsize(path)
-    os.truncate(path, size - 100 if os.environ.get("CUT_TAIL") else size // 2)
+    os.truncate(path, size - 100 if tail == "tail" else size // 2)
 
 def enter(original):
     def entered(self):
@@ -67,7 +72,7 @@ tensors.__enter__ = enter(tensors.__enter__)
 tensors.__getitem__ = look_up(tensors.__getitem__)
 if hasattr(tensors, "_read"):
     tensors._read = read(tensors._read)
-sys.argv = ["gradstat", *sys.argv[6:]]
+sys.argv = ["gradstat", *sys.argv[8:]]
 from gradstat.cli.app import main
 main()
 """
@@ -86,15 +91,9 @@ def _run(
     of each pass."""
     report = folder / "lookups.json"
     rank_file = folder / "snapshot" / "rank-00000.safetensors"
-    script = [sys.executable, "-c", _TRUNCATING_CLI, str(rank_file), str(chosen), how, str(at)]
-    result = subprocess.run(
-        [*script, str(report), *arguments],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "GRADSTAT_NATIVE": native, **({"CUT_TAIL": "1"} if tail else {})},
-        check=False,
-    )
+    cut = "tail" if tail else "half"
+    given = [str(rank_file), str(chosen), how, str(at), cut, native, str(report), *arguments]
+    result = run_python(_TRUNCATING_CLI, *given, timeout=120)
     return result, json.loads(report.read_text())
 
 
