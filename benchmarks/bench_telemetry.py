@@ -289,7 +289,7 @@ def _report_bytes(result: _Result) -> None:
     # log.py: "A step record costs 17 + 36 = 53 bytes, and when it holds the per-parameter
     # statistics 4 bytes more and 16 per name" (no extras here: nothing non-finite, every
     # maximum an fp32 value, zero counts below 2**32). Held against the step head as packed.
-    head = 17 + struct.calcsize("<qddIiI")
+    head = 17 + struct.calcsize("<qd8sIiI")
     for loop, names in (("telemetry", result.names), ("total", 0)):
         records, size = result.log_bytes[loop]
         per_step = size / records

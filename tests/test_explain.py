@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 from typer.testing import CliRunner
 
@@ -369,6 +372,31 @@ def test_the_exact_zero_count_explains_itself(snapshots: dict[str, Path]) -> Non
     assert _pad_zeros(GTP2) > 0  # the padding is there, and not counted
     code, document = _cli(str(snapshots["gtp2"]), "--logged-zeros", str(exact))
     assert code == 0 and document["best"] == "exact" and document["exact"] == exact
+
+
+def test_a_logged_nan_or_inf_is_explained_by_the_same_alone(
+    snapshots: dict[str, Path], tmp_path: Path
+) -> None:
+    """A job that logged NaN is explained by gradients holding NaN (every hypothesis predicts
+    NaN then, the exact value first), and by nothing where they hold none; so is inf."""
+    clean = snapshots["dp2_plain"]
+    for logged in ("nan", "inf"):
+        code, document = _cli(str(clean), "--logged", logged)
+        assert code == 1 and (document["explained"], document["best"]) == (False, None)
+        assert {row["distance"] for row in document["rows"]} == {"inf"}
+    poisoned = tmp_path / "poisoned"
+    shutil.copytree(clean, poisoned)
+    first = sorted(poisoned.glob("rank-*.safetensors"))[0]
+    tensors = load_file(first)
+    name = next(iter(tensors))
+    tensors[name].view(-1)[0] = math.nan
+    save_file(tensors, first, metadata=safe_open(first, "pt").metadata())
+    code, document = _cli(str(poisoned), "--logged", "nan")
+    assert code == 0 and document["best"] == "exact" and document["exact"] == "nan"
+    code, document = _cli(str(poisoned), "--logged", "inf")
+    assert code == 1 and document["explained"] is False
+    result = CliRunner().invoke(app, ["explain", str(clean), "--logged", "-1"])
+    assert result.exit_code == 2 and "--logged must be a norm (>= 0, nan or inf)" in result.stderr
 
 
 def test_explain_takes_exactly_one_logged_number(snapshots: dict[str, Path]) -> None:

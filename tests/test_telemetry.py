@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import os
+import struct
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -344,6 +345,41 @@ def test_a_nan_logged_for_a_nan_norm_agrees(tmp_path: Path) -> None:
     model.weight.grad[0, 0] = math.nan
     recorder.step(1, logged_norm=math.nan)
     assert recorder.records[-1].triggers == ("nonfinite",)
+
+
+def _log_logged_norms(directory: Path, logged: list[Any]) -> None:
+    """A recorder's run over one gradient whose job logged ``logged[i]`` at step i + 1."""
+    model = torch.nn.Linear(2, 2)
+    recorder = gradstat.Recorder(model, directory, spike=None)
+    model(torch.ones(1, 2)).sum().backward()
+    for step, value in enumerate(logged, start=1):
+        recorder.step(step, logged_norm=value)
+    recorder.wait()
+
+
+def test_a_logged_nan_reads_back_as_nan_and_none_as_none(tmp_path: Path) -> None:
+    """A job that logged NaN is the one to look at: the log says NaN, not "logged none" (it
+    wrote the two alike before format version 2). torch's 0/0 is a NaN with its sign set."""
+    torch_nan = torch.zeros(()) / 0
+    assert struct.pack("<d", float(torch_nan)) != struct.pack("<d", math.nan)  # another NaN
+    _log_logged_norms(tmp_path, [1.5, torch_nan, None, math.inf, math.nan, 0.0])
+    logged = read_history(tmp_path, report=lambda line: pytest.fail(line)).logged
+    assert logged[0] == 1.5 and logged[2] is None and logged[3] == math.inf and logged[5] == 0.0
+    assert all(value is not None and math.isnan(value) for value in (logged[1], logged[4]))
+    document = json.loads(_gradstat("history", str(tmp_path), "--json").stdout)
+    assert document["logged_norm"] == [1.5, "nan", None, "inf", "nan", 0.0]
+
+
+def test_a_version_1_log_reads_its_nan_as_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Version 1 wrote a plain NaN where the job logged none (and where it logged NaN)."""
+    with monkeypatch.context() as patched:
+        patched.setattr(log_module, "FORMAT_VERSION", 1)
+        patched.setattr(log_module, "_NO_LOGGED", struct.pack("<d", math.nan))
+        _log_logged_norms(tmp_path, [2.5, None, math.nan])
+    logged = read_history(tmp_path, report=lambda line: pytest.fail(line)).logged
+    assert logged == [2.5, None, None]
 
 
 # --- first jumps, in the order they began -----------------------------------------------------

@@ -230,6 +230,11 @@ class ExplainReport:
 
 
 def _distance(value: float, logged: float) -> float:
+    """How far ``value`` is from ``logged``, relative to it; a NaN or an infinity logged is met
+    by the same alone."""
+    if not math.isfinite(logged):
+        same = math.isnan(value) if math.isnan(logged) else value == logged
+        return 0.0 if same else math.inf
     if logged == 0:
         return 0.0 if value == 0 else math.inf
     if math.isnan(value):

@@ -1130,8 +1130,8 @@ def explain(
     """
     if (logged is None) == (logged_zeros is None):
         raise GradstatError("give exactly one of --logged X (a norm) and --logged-zeros N")
-    if logged is not None and not (math.isfinite(logged) and logged >= 0):
-        raise GradstatError(f"--logged must be a finite number >= 0, got {logged}")
+    if logged is not None and not (math.isnan(logged) or logged >= 0):
+        raise GradstatError(f"--logged must be a norm (>= 0, nan or inf), got {logged}")
     p = _parse_norm_type(norm_type)
     from gradstat.analysis.explain import explain_snapshot
     from gradstat.cli.render import print_explain

@@ -22,7 +22,8 @@ Layout (little-endian)::
 A step record costs 17 + 36 = 53 bytes, and when it holds the per-parameter statistics 4
 bytes more and 16 per name; an entry whose zero count, maximum (outside float32's exact
 values) or NaN/Inf counts do not fit there is repeated exactly in ``extras`` (36 bytes).
-``logged`` is NaN when the job logged no norm; ``repeat`` is the snapshot's repeat index
+``logged`` is the NaN of bits ``_NO_LOGGED`` when the job logged no norm (any other NaN is a
+NaN it logged; version 1 wrote a plain NaN for none); ``repeat`` is the snapshot's repeat index
 (``step-N.repeat``), -1 for none; ``triggers`` has bit i set for trigger i of
 :data:`~gradstat.recorder.triggers.TRIGGERS`.
 """
@@ -56,14 +57,18 @@ __all__ = [
 
 LOG_NAME = "telemetry.gslog"
 FORMAT_NAME = "gradstat-telemetry"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _MAGIC = b"GSTL"
 _HEAD = struct.Struct("<4sBI")  # magic, kind, length
 _CRC = struct.Struct("<I")
-_STEP = struct.Struct("<qddIiI")
+_STEP = struct.Struct("<qd8sIiI")  # the logged norm as its 8 bytes (see _NO_LOGGED)
+_F64 = struct.Struct("<d")
 _EXTRA = struct.Struct("<IQQQd")
 _START, _LAYOUT, _STEP_KIND = 1, 2, 3
 _NO_GRADIENT = -1.0
+# The logged norm's bytes when the job logged none: a quiet NaN whose payload spells "none",
+# which no arithmetic produces; a logged NaN is written as math.nan.
+_NO_LOGGED = bytes.fromhex("656e6f6e0000f87f")
 _U32_MAX = 0xFFFFFFFF
 
 
@@ -93,7 +98,10 @@ def step_payload(
 ) -> bytes:
     """The payload of one step record; ``params`` a
     :class:`~gradstat.recorder.telemetry.ParamsAtStep` or None (the norm only)."""
-    logged_value = math.nan if logged is None else logged
+    if logged is None:
+        logged_value = _NO_LOGGED
+    else:  # one NaN for every NaN logged: never the bytes of none
+        logged_value = _F64.pack(math.nan if math.isnan(logged) else logged)
     if params is None:
         return _STEP.pack(step, norm, logged_value, triggers, repeat, 0)
     count = len(params.norms)
@@ -208,6 +216,7 @@ class StartRecord:
 
     attempt: str
     time_ns: int
+    version: int
     norm_type: float
     world_size: int
     every: int | None
@@ -292,7 +301,7 @@ def _parse_step(
         attempt=start.attempt if start is not None else "",
         step=step,
         norm=norm,
-        logged=None if math.isnan(logged) else logged,
+        logged=_logged(logged, start.version if start is not None else FORMAT_VERSION),
         triggers=triggers,
         repeat=repeat,
         names=names,
@@ -304,6 +313,14 @@ def _parse_step(
         nan=nan,
         inf=inf,
     )
+
+
+def _logged(stored: bytes, version: int) -> float | None:
+    """The logged norm a step record holds, None for none."""
+    if stored == _NO_LOGGED:
+        return None
+    (value,) = _F64.unpack(stored)
+    return None if version < 2 and math.isnan(value) else value  # version 1's NaN was none
 
 
 def read_log(
@@ -352,6 +369,7 @@ def _records(
                 start = StartRecord(
                     attempt=str(document["attempt"]),
                     time_ns=int(document["time_ns"]),
+                    version=int(document["version"]),
                     norm_type=float(document["norm_type"]),
                     world_size=int(document["world_size"]),
                     every=document["every"],
