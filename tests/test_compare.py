@@ -8,14 +8,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from gradstat.cli import app
+from gradstat.snapshot import save_rank
 from gradstat.testing import Layout, RankParams
 from tests import _model
 from tests._cli import SAMPLE_DATA
 from tests._model import EMBEDDING, LAYERNORM, PROJ, QKV, expert, full_grads, params_named
 from tests._oracle import float64_norm, rel_err, zeros_in
+from tests._params import param_with
 
 
 def _compare(a: Path, b: Path, *args: str) -> tuple[int, dict[str, Any]]:
@@ -130,6 +133,26 @@ def test_parameters_in_one_snapshot_only(tmp_path: Path) -> None:
     assert row["flags"] == ["only_in_a"] and row["norm_b"] is None
     code, report = _compare(b, a)
     assert _rows(report)[expert(2)]["flags"] == ["only_in_b"]
+
+
+def test_a_parameter_of_no_elements_missing_from_one_side_is_no_mismatch(tmp_path: Path) -> None:
+    """A distributed optimizer has no fragment of a parameter of no elements, so its snapshot
+    lists none: against a plain optimizer's, that is not a parameter only one side has."""
+    weight = torch.arange(8.0).reshape(4, 2) - 3
+    for name, params in (
+        ("plain", [("w", param_with(weight.clone())), ("empty", param_with(torch.zeros(0, 3)))]),
+        ("distopt", [("w", param_with(weight.clone()))]),
+    ):
+        save_rank(tmp_path / name, params, rank=0, world_size=1, coords={})
+    for a, b in (("plain", "distopt"), ("distopt", "plain")):
+        code, report = _compare(tmp_path / a, tmp_path / b)
+        assert code == 0 and report["mismatches"] == [], report["mismatches"]
+        rows = _rows(report)
+        assert rows["w"]["max_abs_diff"] == 0.0 and rows["empty"]["flags"] == []
+    fewer = tmp_path / "fewer"
+    save_rank(fewer, [("empty", param_with(torch.zeros(0, 3)))], rank=0, world_size=1, coords={})
+    code, report = _compare(tmp_path / "plain", fewer)
+    assert code == 1 and report["mismatches"] == ["w"]  # a parameter with elements still is
 
 
 def test_fragments_without_offsets_are_compared_by_norm_only(tmp_path: Path) -> None:

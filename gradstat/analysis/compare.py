@@ -185,7 +185,10 @@ def _param_diff(
 ) -> ParamDiff:
     a, b = (side.get(name) for side in stats)
     flags = []
-    if a is None or b is None:
+    # A parameter of no elements holds nothing to miss: a distributed optimizer has no
+    # fragment of it, so its snapshot lists none.
+    present = b if a is None else a
+    if (a is None or b is None) and present is not None and present.numel:
         flags.append("only_in_a" if b is None else "only_in_b")
     norm_a = None if a is None else a.norm(2.0)
     norm_b = None if b is None else b.norm(2.0)
