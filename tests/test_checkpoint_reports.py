@@ -89,6 +89,7 @@ def test_each_kind_by_parameter_against_float64(checkpoints: dict[str, Any], kin
     code, report = _cli("norm", checkpoints["root"] / "step-2", "--kind", kind)
     assert code == 0 and report["snapshot"]["kind"] == kind
     assert report["snapshot"]["source"] == "dcp" and report["snapshot"]["step"] == 2
+    assert report["snapshot"]["dtensor"] is False  # plain tensors saved: chunks say no more
     rows = {row["name"]: row["norm"] for row in report["params"]}
     assert sorted(rows) == sorted(expected)  # named by parameter, not by key
     for name, tensor in expected.items():

@@ -110,7 +110,10 @@ def snapshot_info(snapshot: Snapshot | SnapshotShare) -> SnapshotInfo:
         snapshot.step,
         snapshot.distributed_optimizer,
         triggers=header.triggers,
-        dtensor=bool(with_grad) and all(record.dtensor is not None for record in with_grad),
+        # A checkpoint's chunks are read as shards: they say nothing of the job's tensors.
+        dtensor=source != "dcp"
+        and bool(with_grad)
+        and all(record.dtensor is not None for record in with_grad),
         source=source,
         # A checkpoint's rank files name the kind they hold where others name the gradient's
         # attribute.
