@@ -82,6 +82,33 @@ def test_two_snapshots_of_one_step_are_refused(tmp_path: Path) -> None:
         read_history(tmp_path, source="snapshots")
 
 
+def test_an_unreadable_snapshot_is_skipped_with_one_line_and_the_others_read(
+    tmp_path: Path,
+) -> None:
+    """One snapshot of a run cut short (a rank file truncated: a full disk, a copy stopped
+    midway) used to stop the whole history; the others are read, and the line says which."""
+    seen = _run(tmp_path)
+    victim = sorted((tmp_path / "step-00000004").glob("rank-*.safetensors"))[0]
+    victim.write_bytes(victim.read_bytes()[:100])
+    lines: list[str] = []
+    history = read_history(tmp_path, source="snapshots", report=lines.append)
+    assert history.steps == [step for step in range(1, STEPS + 1) if step != 4]
+    for index, step in enumerate(history.steps):
+        expected = float64_norm([seen[step]["0.weight"]], 2)
+        assert math.isclose(history.params["0.weight"].norms[index], expected, rel_tol=1e-7)
+    assert len(lines) == 1 and lines == history.problems
+    assert lines[0].startswith(f"{tmp_path / 'step-00000004'}: skipped, unreadable: {victim}")
+    result = _gradstat("history", str(tmp_path), "--source", "snapshots", "--json")
+    assert result.returncode == 1  # the NaN at step NAN_AT, as without the cut snapshot
+    assert json.loads(result.stdout)["problems"] == lines
+    assert result.stderr == f"gradstat: warning: {lines[0]}\n"
+    for step in range(1, STEPS + 1):  # none readable: the first one's error
+        if step != 4:
+            shutil.rmtree(tmp_path / f"step-{step:08d}")
+    with pytest.raises(SnapshotError, match=f"^{victim}"):
+        read_history(tmp_path, source="snapshots")
+
+
 def test_no_snapshots_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(SnapshotError, match="no snapshot directories"):
         read_history(tmp_path)

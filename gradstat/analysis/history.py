@@ -136,7 +136,7 @@ class History:
     paths: list[Path | None] = field(default_factory=list)  # each step's snapshot, if kept
     params: dict[str, ParamSeries] = field(default_factory=dict)
     param_norm_type: float = 2.0  # the per-parameter norms' (the log's are L2)
-    problems: list[str] = field(default_factory=list)  # lines about skipped log records
+    problems: list[str] = field(default_factory=list)  # lines about what was skipped
 
     def jumped(self) -> list[ParamSeries]:
         """The parameters that jumped, the one that moved first first; at one step the most
@@ -250,12 +250,13 @@ def read_history(
         since, until: only the steps from ``since`` to ``until`` (inclusive).
         source: "auto", "log" or "snapshots".
         on_progress: called with (done, total, unit): "bytes" of the log, or "snapshots".
-        report: called with one line per skipped log record (a torn tail, damage).
+        report: called with one line per skipped log record (a torn tail, damage) or
+            unreadable snapshot (the others are read).
 
     Raises:
-        SnapshotError: no log and no snapshots, a bad snapshot (named), two snapshots of the
-            same step (but a step the flight recorder replayed: ``step-N``, then
-            ``step-N.1``, ...), a log asked for and absent.
+        SnapshotError: no log and no snapshots, no snapshot readable (the first named), two
+            snapshots of the same step (but a step the flight recorder replayed: ``step-N``,
+            then ``step-N.1``, ...), a log asked for and absent.
     """
     from gradstat.recorder.log import LOG_NAME
 
@@ -267,11 +268,26 @@ def read_history(
             raise SnapshotError(f"{root}: no telemetry log ({LOG_NAME}) inside")
         history = _from_log(root, log, norm_type, since, until, on_progress, report)
     else:
-        history = _from_snapshots(root, norm_type or 2.0, since, until, on_progress, options)
+        history = _from_snapshots(
+            root, norm_type or 2.0, since, until, on_progress, _Problems(report), options
+        )
     history.root = root
     for series in history.params.values():
         _find_jump(series, factor, window, zeros_change)
     return history
+
+
+class _Problems:
+    """The lines about what a history skipped, each reported as it is met."""
+
+    def __init__(self, report: Callable[[str], None] | None) -> None:
+        self.lines: list[str] = []
+        self._report = report
+
+    def __call__(self, line: str) -> None:
+        self.lines.append(line)
+        if self._report is not None:
+            self._report(line)
 
 
 def _from_snapshots(
@@ -280,12 +296,20 @@ def _from_snapshots(
     since: int | None,
     until: int | None,
     on_progress: Callable[[int, int, str], None] | None,
+    skipped: _Problems,
     options: WgradsOptions | None,
 ) -> History:
-    opened = []
+    opened, unreadable = [], []
     for index, path in enumerate(find_snapshots(root)):
-        snapshot = Snapshot.open(path, options)
+        try:
+            snapshot = Snapshot.open(path, options)
+        except SnapshotError as error:  # one bad snapshot does not hide the run's others
+            unreadable.append(error)
+            skipped(f"{path}: skipped, unreadable: {error}")
+            continue
         opened.append((_step_of(snapshot, index), path, snapshot))
+    if unreadable and not opened:
+        raise unreadable[0]
     opened.sort(key=lambda entry: (entry[0], _repeat_of(entry[1], entry[0]) or 0, entry[1].name))
     for (step, path, _), (other, earlier, _) in zip(opened[1:], opened, strict=False):
         replayed = _repeat_of(path, step) is not None and _repeat_of(earlier, step) is not None
@@ -294,27 +318,36 @@ def _from_snapshots(
     chosen = [entry for entry in opened if _within(entry[0], since, until)]
     if not chosen:
         raise SnapshotError(f"{root}: no snapshot from step {since} to {until}")
-    history = History(norm_type, "snapshots", param_norm_type=norm_type)
+    history = History(norm_type, "snapshots", param_norm_type=norm_type, problems=skipped.lines)
     for done, (step, path, snapshot) in enumerate(chosen, 1):
-        stats = snapshot_stats(snapshot, (norm_type,))
-        history.steps.append(step)
-        history.paths.append(path)
-        history.totals.append(stats.norm(norm_type))
-        history.total_zeros.append(stats.zeros)
-        history.logged.append(None)
-        history.triggers.append(snapshot.files[0].header.triggers)
-        for param in stats.params:
-            series = history.params.get(param.name)
-            if series is None:
-                series = history.params[param.name] = ParamSeries(
-                    param.name, param.numel, param.expert
-                )
-            nan = sum(found.nan for found in stats.nonfinite if found.name == param.name)
-            inf = sum(found.inf for found in stats.nonfinite if found.name == param.name)
-            series.add(step, param.norm(norm_type), param.zeros, nan=nan, inf=inf)
+        try:
+            _add_snapshot(history, step, path, snapshot, norm_type)
+        except SnapshotError as error:  # changed since it was opened: cut, rewritten
+            skipped(f"{path}: skipped, unreadable: {error}")
         if on_progress is not None:
             on_progress(done, len(chosen), "snapshots")
+    if not history.steps:
+        raise SnapshotError(f"{root}: none of its {len(chosen)} snapshots could be read")
     return history
+
+
+def _add_snapshot(
+    history: History, step: int, path: Path, snapshot: Snapshot, norm_type: float
+) -> None:
+    stats = snapshot_stats(snapshot, (norm_type,))
+    history.steps.append(step)
+    history.paths.append(path)
+    history.totals.append(stats.norm(norm_type))
+    history.total_zeros.append(stats.zeros)
+    history.logged.append(None)
+    history.triggers.append(snapshot.files[0].header.triggers)
+    for param in stats.params:
+        series = history.params.get(param.name)
+        if series is None:
+            series = history.params[param.name] = ParamSeries(param.name, param.numel, param.expert)
+        nan = sum(found.nan for found in stats.nonfinite if found.name == param.name)
+        inf = sum(found.inf for found in stats.nonfinite if found.name == param.name)
+        series.add(step, param.norm(norm_type), param.zeros, nan=nan, inf=inf)
 
 
 def _from_log(
@@ -330,13 +363,7 @@ def _from_log(
     from gradstat.recorder.snapshots import complete_snapshots, snapshot_name
     from gradstat.recorder.triggers import TRIGGERS
 
-    problems: list[str] = []
-
-    def damaged(line: str) -> None:
-        problems.append(line)
-        if report is not None:
-            report(line)
-
+    damaged = _Problems(report)
     latest: dict[int, Any] = {}  # step: its latest record (a replayed step's last one wins)
     recorded_norm_type = None
     size, told = log.stat().st_size, 0
@@ -359,7 +386,7 @@ def _from_log(
     if not latest:
         raise SnapshotError(f"{log}: no step recorded from step {since} to {until}")
     kept = {path.name: path for _, path in complete_snapshots(root)}
-    history = History(recorded_norm_type, "log", param_norm_type=2.0, problems=problems)
+    history = History(recorded_norm_type, "log", param_norm_type=2.0, problems=damaged.lines)
     for step in sorted(latest):
         record = latest[step]
         triggers = tuple(name for bit, name in enumerate(TRIGGERS) if record.triggers >> bit & 1)
