@@ -157,7 +157,7 @@ def _become(request: dict[str, Any]) -> None:
         main = types.ModuleType("__main__")
         main.__builtins__ = builtins  # type: ignore[attr-defined]
         sys.modules["__main__"] = main
-        exec(compile(request["code"], "<string>", "exec"), vars(main))
+        exec(compile(request["code"], "<string>", "exec", dont_inherit=True), vars(main))
     else:
         script = request["script"]
         sys.argv = [script, *request["args"]]

@@ -397,6 +397,23 @@ def test_a_script_forked_elsewhere_has_a_fresh_starts_directory_and_threads(
     assert fresh.stdout == f"[] {tail}\n"
 
 
+# What python -c sets up, and whether the code is compiled as its own (no future import of the
+# server's: an annotation is evaluated).
+_CODE = """
+import sys
+def f(x: int) -> None: ...
+print(sys.argv, repr(sys.path[0]), __name__, f.__annotations__["x"], "__file__" in globals())
+"""
+
+
+def test_forked_python_c_is_what_a_fresh_one_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    forked = _cli.run_python(_CODE, "a", "b")
+    monkeypatch.setenv("GRADSTAT_TEST_FORK", "0")
+    fresh = _cli.run_python(_CODE, "a", "b")
+    assert forked.stdout == fresh.stdout == "['-c', 'a', 'b'] '' __main__ <class 'int'> False\n"
+    assert (forked.returncode, forked.stderr) == (fresh.returncode, fresh.stderr) == (0, "")
+
+
 # A torchrun worker that says whether torch was imported before it started (then it was forked)
 # and what a fresh interpreter's start would have set: its thread count and unbuffered output.
 _WORKER = """
