@@ -636,7 +636,7 @@ def read_chunk(directory: Path, chunk: ChunkRef) -> torch.Tensor:
     """
     path = _check_path(directory, chunk.fqn, chunk.storage)
     try:
-        with open(path, "rb") as file:
+        with os.fdopen(open_regular(path), "rb") as file:
             return _read_from(file, path, chunk, {})
     except FileNotFoundError as error:
         raise SnapshotError(f"{path}: data file of tensor {chunk.fqn!r} is missing") from error
@@ -673,7 +673,7 @@ def iter_chunks(
         path = _check_path(index.directory, chunks[0].fqn, chunks[0].storage)
         headers: dict[int, tuple[int, dict[str, Any]]] = {}
         try:
-            with open(path, "rb") as file:
+            with os.fdopen(open_regular(path), "rb") as file:  # not a FIFO swapped in since
                 for chunk in chunks:
                     yield chunk.fqn, chunk, _read_from(file, path, chunk, headers)
         except FileNotFoundError as error:
