@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -88,17 +89,38 @@ def check_norm_type(norm_type: Any) -> float:
 def is_parameter(item: Any) -> bool:
     """Whether ``item`` is a parameter (its ``.grad`` is the gradient) rather than a gradient.
 
-    An ``nn.Parameter``, a leaf tensor that requires grad or holds a ``.grad``, or an object that
-    is no tensor but has a ``grad`` attribute (a stand-in carrying Megatron's attributes). A
-    gradient never requires grad, except one made by ``backward(create_graph=True)``, which is
-    no leaf: it stays a gradient.
+    An ``nn.Parameter``, a tensor that holds a ``.grad`` or is a leaf that requires grad, a view
+    of such a leaf (Megatron's distributed optimizer keeps each fp32 parameter's shard as
+    ``param.view(-1)[start:end]``, whose ``.grad`` it sets before the step and clears after), or
+    an object that is no tensor but has a ``grad`` attribute (a stand-in carrying Megatron's
+    attributes). A gradient never requires grad, except one made by
+    ``backward(create_graph=True)``, which is no leaf and no view of one: it stays a gradient.
     """
     if isinstance(item, torch.nn.Parameter):
         return True
     if not isinstance(item, Tensor):
         return hasattr(item, "grad")
     # Every tensor that does not require grad is a leaf: two reads, not three, per gradient.
-    return item.is_leaf if item.requires_grad else item.grad is not None
+    return _requiring_grad_is_parameter(item) if item.requires_grad else item.grad is not None
+
+
+def _requiring_grad_is_parameter(item: Tensor) -> bool:
+    """:func:`is_parameter` of a tensor that requires grad."""
+    if item.is_leaf:
+        return True
+    base = item._base
+    return (base is not None and base.is_leaf and base.requires_grad) or held_grad(item) is not None
+
+
+def held_grad(item: Any, attr: str = "grad") -> Any:
+    """``item.grad`` (or another attribute), without torch's warning that a non-leaf tensor's
+    ``.grad`` is not populated by backward: the parameter views :func:`is_parameter` takes have
+    theirs set by hand."""
+    if isinstance(item, Tensor) and attr == "grad" and not item.is_leaf:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return item.grad
+    return getattr(item, attr, None)
 
 
 def _label(what: str, index: int, tensor: Any, *, of_parameter: bool) -> str:
@@ -146,7 +168,8 @@ def _plain_gradient(grad: Any) -> bool:
         and grad.layout == torch.strided
         and grad.dtype in kernels.SUPPORTED_DTYPES
         and not grad.is_meta
-        and not (grad.is_leaf if grad.requires_grad else grad.grad is not None)  # is_parameter
+        and not grad.requires_grad  # a create_graph gradient goes through the checks
+        and grad.grad is None  # is_parameter
     )
 
 
@@ -364,7 +387,7 @@ class GradNorm:
         """The gradients given, or the ``.grad`` the parameters hold now."""
         if self.parameters is None:
             return self.grads
-        return [grad for param in self.parameters if (grad := param.grad) is not None]
+        return [grad for param in self.parameters if (grad := held_grad(param)) is not None]
 
     def __call__(self) -> float:
         """The norm of the gradients' current values, as a Python float."""
@@ -424,7 +447,7 @@ def _native_grads(parameters: _Params, group: Any, what: str) -> _NativeGrads:
         grads, tensor_parallel = [], []
         for index, item in enumerate(_as_list(parameters)):
             if is_parameter(item):
-                grad = getattr(item, "grad", None)
+                grad = held_grad(item)
             elif isinstance(item, Tensor):
                 grad = item
             else:
@@ -599,7 +622,7 @@ def _zero_count(tensors: list[Tensor], device: torch.device) -> Tensor:
 
 def _held_grad(item: Any, attr: str, index: int, what: str) -> Tensor | None:
     """``item``'s ``.grad`` (or ``.decoupled_grad``); a gradient given for a parameter refused."""
-    grad = getattr(item, attr, None)
+    grad: Tensor | None = held_grad(item, attr)
     if (
         grad is None
         and isinstance(item, Tensor)

@@ -8,6 +8,7 @@ Every expected number is float64 arithmetic on the tensors themselves, never gra
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,30 @@ def test_a_leaf_holding_a_grad_is_a_parameter_and_a_create_graph_gradient_is_a_g
     assert grad is not None and grad.requires_grad and not grad.is_leaf
     assert total_norm([grad]) == pytest.approx(_norm64([grad]), rel=1e-12)  # [3, 12]
     weight.grad = None  # breaks the reference cycle create_graph makes
+
+
+def test_a_view_of_a_parameter_holding_a_grad_is_a_parameter() -> None:
+    """Megatron's distributed optimizer keeps each fp32 parameter's shard as a view of it
+    (``param.view(-1)[start:end]``: it requires grad and is no leaf), sets the shard's ``.grad``
+    before the step and passes the shards to ``clip_grad_by_total_norm_fp32``. Taken for a
+    gradient, the shard's norm was the weights' (28.3 for a gradient norm of 1.41) and clipping
+    scaled the weights; a shard without its ``.grad`` was refused instead of skipped."""
+    weights = torch.nn.Parameter(torch.arange(16.0).reshape(4, 4))
+    before = weights.detach().clone()
+    shard, bare = weights.view(-1)[4:12], weights.view(-1)[12:]
+    assert shard.requires_grad and not shard.is_leaf
+    shard.grad = torch.tensor([0.5, 0.0, -1.5, 2.0, 0.0, 0.25, -0.5, 1.0])
+    grad = shard.grad.clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nor torch's warning about a non-leaf's .grad
+        with pytest.raises(GradientInputError, match="is a parameter"):
+            get_grad_norm_fp32([shard])
+        assert GradNorm([shard])() == pytest.approx(_norm64([grad]), rel=1e-12)
+        assert total_norm([shard, bare]) == pytest.approx(_norm64([grad]), rel=1e-12)
+        assert count_zeros_fp32([shard, bare], None) == _zeros64([grad])
+        clip_grad_by_total_norm_fp32([shard, bare], 1.0, 4.0)
+    assert torch.equal(weights.detach(), before), "the weights were scaled"
+    assert torch.equal(shard.grad, grad * (1.0 / (4.0 + 1e-6)))
 
 
 def test_the_megatron_api_refuses_parameters_given_for_gradients() -> None:
