@@ -7,7 +7,6 @@ float64 accuracy, an empty gradient list allowed, and plain Python floats as res
 
 from __future__ import annotations
 
-import itertools
 import math
 import numbers
 import warnings
@@ -20,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from gradstat.core import kernels
+from gradstat.core.footprint import Footprint, footprint, overlaps_itself, relation
 from gradstat.core.groups import (
     MeshShards,
     RankLike,
@@ -658,11 +658,11 @@ def _clip_target(grad: Tensor, label: str) -> Tensor:
             f"{label} is an inference tensor, which cannot be scaled in place outside "
             "torch.inference_mode(); clip inside it, or clone the gradient"
         )
-    if local.numel() > 1 and torch._debug_has_internal_overlap(local) == 1:
+    if overlaps_itself(local):
         raise GradientInputError(
-            f"{label} has elements sharing memory (an expanded or stride-0 view, strides "
-            f"{local.stride()}): scaling it in place would scale them twice; make it "
-            ".contiguous() first"
+            f"{label} has elements sharing memory (an expanded, stride-0 or self-overlapping "
+            f"view, strides {local.stride()}): scaling it in place would scale them twice; "
+            "make it .contiguous() first"
         )
     return local
 
@@ -671,9 +671,7 @@ def _grads_of(parameters: _Params, use_decoupled_grad: bool) -> list[Tensor]:
     attr = "decoupled_grad" if use_decoupled_grad else "grad"
     allowed = (torch.float32, torch.bfloat16) if use_decoupled_grad else (torch.float32,)
     what = "clip_grad_by_total_norm_fp32"
-    grads: list[Tensor] = []
-    seen: set[object] = set()
-    spans: list[tuple[str, int, int, int]] = []  # device, first and past-last byte, parameter
+    grads: list[tuple[Tensor, Footprint | None, int]] = []
     for index, param in enumerate(_as_list(parameters)):
         grad = _held_grad(param, attr, index, what)
         if grad is None:
@@ -687,41 +685,40 @@ def _grads_of(parameters: _Params, use_decoupled_grad: bool) -> list[Tensor]:
             )
         target = _clip_target(grad, f"{what}: .{attr} of parameter {index} (shape "
                               f"{tuple(grad.shape)})")  # fmt: skip
-        # The same gradient listed twice, or two views of the same elements, is scaled once.
-        same, span = _elements(target)
-        if same not in seen:
-            seen.add(same)
-            grads.append(target)
-            if span is not None:
-                spans.append((*span, index))
-    _check_disjoint(what, attr, spans)
-    return grads
+        grads.append((target, footprint(target), index))
+    repeated = _repeated(what, attr, [(found, index) for _, found, index in grads if found])
+    return [target for target, _, index in grads if index not in repeated]
 
 
-def _elements(tensor: Tensor) -> tuple[object, tuple[str, int, int] | None]:
-    """What tells the elements a tensor scales: a contiguous one's memory and dtype (whatever
-    its shape), another's memory, shape, strides and dtype (one object for a tensor without
-    them, a sparse one); and a non-empty contiguous one's bytes (device, first, past-last)."""
-    if tensor.layout != torch.strided or tensor.is_meta:
-        return id(tensor), None
-    start = tensor.data_ptr()
-    if not tensor.is_contiguous():
-        return (tensor.device, start, tensor.shape, tensor.stride(), tensor.dtype), None
-    span = (str(tensor.device), start, start + tensor.nbytes) if tensor.numel() else None
-    return (tensor.device, start, tensor.nbytes, tensor.dtype), span
+def _repeated(what: str, attr: str, found: list[tuple[Footprint, int]]) -> set[int]:
+    """The parameters whose gradient holds the same elements as an earlier one's (the same
+    gradient listed twice, or viewed again in another shape or order: scaled once).
 
-
-def _check_disjoint(what: str, attr: str, spans: list[tuple[str, int, int, int]]) -> None:
-    """Refuse gradients that share part of their memory: scaling each in place would scale the
-    shared elements twice (the same elements whole are scaled once, see :func:`_elements`)."""
-    spans.sort()
-    for (device, _, end, first), (other, start, _, second) in itertools.pairwise(spans):
-        if device == other and start < end:
-            low, high = sorted((first, second))
-            raise GradientInputError(
-                f"{what}: .{attr} of parameters {low} and {high} share part of their memory: "
-                "scaling both in place would scale the shared elements twice"
-            )
+    Raises:
+        GradientInputError: two gradients sharing only some of their elements (scaling each in
+            place would scale those twice), before any gradient is scaled.
+    """
+    found.sort(key=lambda entry: (entry[0].device, entry[0].start, entry[1]))
+    repeated: set[int] = set()
+    reaching: list[tuple[Footprint, int]] = []  # those whose bytes reach past the next start
+    for current, index in found:
+        reaching = [
+            (other, at)
+            for other, at in reaching
+            if other.device == current.device and other.end > current.start
+        ]
+        for other, at in reaching:
+            kind = relation(other, current)
+            if kind == "same":
+                repeated.add(max(index, at))
+            elif kind == "partial":
+                low, high = sorted((at, index))
+                raise GradientInputError(
+                    f"{what}: .{attr} of parameters {low} and {high} share part of their "
+                    "memory: scaling both in place would scale the shared elements twice"
+                )
+        reaching.append((current, index))
+    return repeated
 
 
 def clip_coefficient(max_norm: float, total_norm: float | Tensor) -> float:

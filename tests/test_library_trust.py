@@ -314,6 +314,56 @@ def test_gradients_sharing_part_of_their_memory_are_refused_before_any_is_scaled
     assert buffer.equal(torch.arange(1.0, 11.0))
 
 
+def _params_holding(*grads: torch.Tensor) -> list[torch.nn.Parameter]:
+    params = []
+    for grad in grads:
+        param = torch.nn.Parameter(torch.zeros(grad.shape))
+        param.grad = grad
+        params.append(param)
+    return params
+
+
+def test_views_with_gaps_or_in_another_order_are_judged_by_their_elements() -> None:
+    """Only contiguous gradients were held to their memory: a transposed view of a gradient was
+    scaled twice, and views of columns that share some elements with another gradient were not
+    refused; disjoint views of interleaved columns are two gradients."""
+    scale = 1.0 / 4.000001
+    grad = torch.arange(1.0, 17.0).reshape(4, 4)
+    clip_grad_by_total_norm_fp32(_params_holding(grad, grad.t()), 1.0, 4.0)
+    torch.testing.assert_close(
+        grad.double(), torch.arange(1.0, 17.0).reshape(4, 4).double() * scale
+    )
+    grad = torch.arange(1.0, 17.0).reshape(4, 4)
+    clip_grad_by_total_norm_fp32(_params_holding(grad[:, 0::2], grad[:, 1::2]), 1.0, 4.0)
+    torch.testing.assert_close(
+        grad.double(), torch.arange(1.0, 17.0).reshape(4, 4).double() * scale
+    )
+    for first, second in (
+        ((slice(None), slice(0, 2)), (slice(0, 2), slice(None))),
+        ((), (slice(None), 1)),
+    ):
+        grad = torch.arange(1.0, 17.0).reshape(4, 4)
+        with pytest.raises(GradientInputError) as error:
+            clip_grad_by_total_norm_fp32(_params_holding(grad[first], grad[second]), 1.0, 4.0)
+        assert "parameters 0 and 1 share part of their memory" in _one_line(error)
+        assert grad.equal(torch.arange(1.0, 17.0).reshape(4, 4))
+
+
+def test_a_gradient_whose_strides_fold_onto_its_own_elements_is_refused() -> None:
+    """``as_strided((3, 3), (1, 1))`` names element 2 three times: torch calls that too hard to
+    say from the strides, and it was scaled in place, some elements two or three times."""
+    base = torch.arange(1.0, 7.0)
+    with pytest.raises(GradientInputError) as error:
+        clip_grad_by_total_norm_fp32(_params_holding(base.as_strided((3, 3), (1, 1))), 1.0, 4.0)
+    assert "self-overlapping" in _one_line(error)
+    assert base.equal(torch.arange(1.0, 7.0))
+    base = torch.arange(1.0, 9.0)
+    fine = base.as_strided((3, 2), (2, 3))  # elements 0, 3, 2, 5, 4, 7: none twice
+    clip_grad_by_total_norm_fp32(_params_holding(fine), 1.0, 4.0)
+    scaled = torch.tensor([1.0, 0, 1, 1, 1, 1, 0, 1]) * (1.0 / 4.000001 - 1.0) + 1.0
+    torch.testing.assert_close(base.double(), torch.arange(1.0, 9.0).double() * scaled.double())
+
+
 # --- item 6: sparse gradients --------------------------------------------------------------
 
 
