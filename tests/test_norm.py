@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from gradstat import get_grad_norm_fp32
+from gradstat import get_grad_norm_fp32, total_norm
 from gradstat.core import kernels
 from gradstat.errors import GradDtypeError, NormTypeError
 from tests._oracle import float64_norm, rel_err
@@ -64,6 +64,15 @@ def test_empty_list_is_zero(norm_type: float) -> None:
     """Megatron crashes here for inf and p norms (NVIDIA/Megatron-LM#5529)."""
     assert get_grad_norm_fp32([], norm_type) == 0.0
     assert get_grad_norm_fp32([torch.empty(0)], norm_type) == 0.0
+
+
+@pytest.mark.parametrize("norm_type", NORM_TYPES)
+def test_negative_zeros_have_a_norm_of_plus_zero(norm_type: float) -> None:
+    """Of -0.0 and 0.0 torch.maximum keeps the first: an inf-norm (and a p < 1 norm, scaled by
+    it) of gradients all -0.0 was -0.0, a sign a log or copysign shows."""
+    grads = [-torch.zeros(4), -torch.zeros(3, dtype=torch.bfloat16)]
+    for value in (get_grad_norm_fp32(grads, norm_type), total_norm(grads, norm_type)):
+        assert value == 0.0 and math.copysign(1.0, value) == 1.0
 
 
 @pytest.mark.parametrize("bad", [0, -1, -math.inf, math.nan, "inf", "2", None, True, 2j])

@@ -699,7 +699,8 @@ def _peak_and_nan(grads: Sequence[Tensor], device: torch.device) -> Tensor:
 
 def _abs_max_one(grad: Tensor, device: torch.device) -> Tensor:
     low, high = torch.aminmax(grad.reshape(-1))
-    return torch.maximum(high, -low).to(device=device, dtype=torch.float64)
+    # abs: of -0.0 and 0.0, maximum keeps its first argument (all -0.0 gave a norm of -0.0).
+    return torch.maximum(high, -low).abs().to(device=device, dtype=torch.float64)
 
 
 def _by_dtype_and_device(grads: Sequence[Tensor]) -> list[list[Tensor]]:
