@@ -103,6 +103,24 @@ def test_gtp_padding_is_recorded_and_excluded(tmp_path: Path) -> None:
     assert on_disk > stats.numel  # padding is in the files, not in the statistics
 
 
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+def test_a_1d_gtp_shards_padding_is_excluded_with_either_optimizer(
+    tmp_path: Path, distributed_optimizer: bool
+) -> None:
+    """A 1-D gradient split over (E)GTP ranks: a plain optimizer's whole shards counted their
+    padding as zero gradients (3 zeros of 8 elements, where a distributed optimizer's stamped
+    fragments of the same gradient gave 1 of 6), and audit said it was subtracted."""
+    from gradstat.testing import Layout, ParamLayout, shard_gradients, write_snapshot
+
+    name = "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.bias"
+    grad = torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0, 5.0])
+    layout = Layout(gtp=2, egtp=2, gtp_align=4, distributed_optimizer=distributed_optimizer)
+    spec = ParamLayout(name, "none", expert=0, num_experts=1, gtp=True)
+    write_snapshot(tmp_path, layout, shard_gradients(layout, [spec], {name: grad}))
+    stats = snapshot_stats(Snapshot.open(tmp_path))
+    assert (stats.zeros, stats.numel, stats.pad_zeros) == (zeros_in([grad]), grad.numel(), 2)
+
+
 def _read_with_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     with safe_open(str(path), framework="pt") as file:
         return {key: file.get_tensor(key) for key in file.keys()}, file.metadata()  # noqa: SIM118

@@ -186,9 +186,9 @@ def gtp_pad_zero_count(param: Any, grad: Any) -> int:
 
     A distributed-optimizer fragment carries the count stamped as ``gtp_pad_zeros`` (only the
     optimizer knows the fragment's offset). A whole, unstamped GTP shard gets it computed from
-    ``pad_length`` and its GTP rank. Anything else, an unstamped flat fragment included, has no
-    padding that can be placed. Nothing is written onto ``param``: the computation is a few
-    integer operations.
+    ``pad_length`` and its GTP rank (a 1-D one only where it is known to be whole). Anything
+    else, an unstamped flat fragment included, has no padding that can be placed. Nothing is
+    written onto ``param``: the computation is a few integer operations.
     """
     stamped = getattr(param, "gtp_pad_zeros", None)
     if stamped is not None:
@@ -196,7 +196,12 @@ def gtp_pad_zero_count(param: Any, grad: Any) -> int:
     if not getattr(param, "is_gtp_weight_remat", False):
         return 0
     # Only a whole shard can be placed: a flat fragment carrying copied attributes but no stamp
-    # has lost the offset its padding count depends on.
-    if grad.dim() < 2 or tuple(grad.shape) != tuple(param.shape):
+    # has lost the offset its padding count depends on. A live fragment's parameter is the
+    # fragment itself (Megatron's distributed optimizer shards are views of their own shape),
+    # so a 1-D gradient is a whole shard only where the parameter says so (a snapshot of a
+    # plain optimizer's job).
+    if tuple(grad.shape) != tuple(param.shape):
+        return 0
+    if grad.dim() < 2 and not getattr(param, "_gradstat_whole_shard", False):
         return 0
     return gtp_local_pad_zero_count(param, 0, int(param.numel()))

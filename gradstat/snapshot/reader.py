@@ -71,6 +71,8 @@ class RebuiltParam:
         grad: its gradient, when the caller holds it.
         mapped: its rank file's mapped tensors, where ``.grad`` is looked up on each access
             (the lookup checks the file first; see ``MappedTensors``) until one is assigned.
+        whole: its gradient is its whole shard, never a fragment (a plain optimizer's file):
+            a 1-D GTP shard's padding can then be placed (see ``gtp_pad_zero_count``).
     """
 
     def __init__(
@@ -79,9 +81,11 @@ class RebuiltParam:
         grad: torch.Tensor | None = None,
         *,
         mapped: Mapping[str, torch.Tensor] | None = None,
+        whole: bool = False,
     ) -> None:
         self.record = record
         self._gradstat_name = record.name
+        self._gradstat_whole_shard = whole
         self._grad = grad
         self._mapped = mapped if grad is None and record.has_grad else None
         self.shape = torch.Size(record.param_shape)
@@ -170,7 +174,10 @@ class RankFile:
         truncated meanwhile is found before the gradient's pages are touched.
         """
         with self.tensors() as tensors:
-            yield [RebuiltParam(record, mapped=tensors) for record in self.header.params]
+            whole = not self.header.distributed_optimizer
+            yield [
+                RebuiltParam(record, mapped=tensors, whole=whole) for record in self.header.params
+            ]
 
     def write(self, file: IO[bytes], tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Write a file of this one's kind and header holding ``tensors`` (by record name)."""
