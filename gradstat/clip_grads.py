@@ -698,26 +698,26 @@ def _repeated(what: str, attr: str, found: list[tuple[Footprint, int]]) -> set[i
         GradientInputError: two gradients sharing only some of their elements (scaling each in
             place would scale those twice), before any gradient is scaled.
     """
-    found.sort(key=lambda entry: (entry[0].device, entry[0].start, entry[1]))
+    by_device: dict[torch.device, list[tuple[int, int, Footprint]]] = {}
+    for print_, index in found:
+        by_device.setdefault(print_.device, []).append((print_.start, index, print_))
     repeated: set[int] = set()
-    reaching: list[tuple[Footprint, int]] = []  # those whose bytes reach past the next start
-    for current, index in found:
-        reaching = [
-            (other, at)
-            for other, at in reaching
-            if other.device == current.device and other.end > current.start
-        ]
-        for other, at in reaching:
-            kind = relation(other, current)
-            if kind == "same":
-                repeated.add(max(index, at))
-            elif kind == "partial":
-                low, high = sorted((at, index))
-                raise GradientInputError(
-                    f"{what}: .{attr} of parameters {low} and {high} share part of their "
-                    "memory: scaling both in place would scale the shared elements twice"
-                )
-        reaching.append((current, index))
+    for entries in by_device.values():
+        entries.sort()  # by start (the indices differ: footprints are never compared)
+        reaching: list[tuple[int, Footprint]] = []  # those whose bytes reach past the next start
+        for start, index, current in entries:
+            reaching = [(at, other) for at, other in reaching if other.end > start]
+            for at, other in reaching:
+                kind = relation(other, current)
+                if kind == "same":
+                    repeated.add(max(index, at))
+                elif kind == "partial":
+                    low, high = sorted((at, index))
+                    raise GradientInputError(
+                        f"{what}: .{attr} of parameters {low} and {high} share part of their "
+                        "memory: scaling both in place would scale the shared elements twice"
+                    )
+            reaching.append((index, current))
     return repeated
 
 
