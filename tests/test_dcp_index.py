@@ -151,13 +151,13 @@ def test_reading_opens_each_file_once_in_offset_order(
     directory, originals = plain
     index = open_index(directory)
     opened: list[str] = []
-    real_open = open
+    real_open = dcp_module.open_regular
 
-    def counting_open(path: Any, *args: Any, **kwargs: Any) -> Any:
+    def counting_open(path: Path) -> int:
         opened.append(Path(path).name)
-        return real_open(path, *args, **kwargs)
+        return real_open(path)
 
-    monkeypatch.setattr(dcp_module, "open", counting_open, raising=False)
+    monkeypatch.setattr(dcp_module, "open_regular", counting_open)
     seen = [
         (chunk.storage.relative_path, chunk.storage.offset) for _, chunk, _ in iter_chunks(index)
     ]
