@@ -90,11 +90,12 @@ def is_parameter(item: Any) -> bool:
     """Whether ``item`` is a parameter (its ``.grad`` is the gradient) rather than a gradient.
 
     An ``nn.Parameter``, a tensor that holds a ``.grad`` or is a leaf that requires grad, a view
-    of such a leaf (Megatron's distributed optimizer keeps each fp32 parameter's shard as
+    of an ``nn.Parameter`` (Megatron's distributed optimizer keeps each fp32 parameter's shard as
     ``param.view(-1)[start:end]``, whose ``.grad`` it sets before the step and clears after), or
     an object that is no tensor but has a ``grad`` attribute (a stand-in carrying Megatron's
     attributes). A gradient never requires grad, except one made by
-    ``backward(create_graph=True)``, which is no leaf and no view of one: it stays a gradient.
+    ``backward(create_graph=True)``, which is no leaf and no parameter's view: it stays a
+    gradient.
     """
     if isinstance(item, torch.nn.Parameter):
         return True
@@ -109,7 +110,9 @@ def _requiring_grad_is_parameter(item: Tensor) -> bool:
     if item.is_leaf:
         return True
     base = item._base
-    return (base is not None and base.is_leaf and base.requires_grad) or held_grad(item) is not None
+    # A parameter's view, not any leaf's: a create_graph gradient can be a view of its
+    # grad_outputs when those require grad (torch.autograd.functional.jvp's double vjp).
+    return isinstance(base, torch.nn.Parameter) or held_grad(item) is not None
 
 
 def held_grad(item: Any, attr: str = "grad") -> Any:

@@ -119,6 +119,20 @@ def test_a_view_of_a_parameter_holding_a_grad_is_a_parameter() -> None:
     assert torch.equal(shard.grad, grad * (1.0 / (4.0 + 1e-6)))
 
 
+def test_a_create_graph_gradient_that_views_its_grad_outputs_is_a_gradient() -> None:
+    """With grad_outputs that require grad, a create_graph gradient can be a view of them (here
+    their transpose): it stays a gradient, as a view of a leaf that is no parameter."""
+    x = torch.randn(3, 4, requires_grad=True)
+    outputs = torch.randn(4, 3)
+    outputs[0] = 0.0
+    outputs.requires_grad_()
+    (grad,) = torch.autograd.grad(x.t(), x, outputs, create_graph=True)
+    assert grad._base is outputs and not grad.is_leaf
+    assert total_norm([grad]) == pytest.approx(_norm64([grad]), rel=1e-12)
+    assert total_zeros([grad]) == _zeros64([grad]) == 3
+    assert get_grad_norm_fp32([grad]) == pytest.approx(_norm64([grad]), rel=1e-12)
+
+
 def test_the_megatron_api_refuses_parameters_given_for_gradients() -> None:
     params = [torch.nn.Parameter(torch.ones(4)) for _ in range(2)]
     for param in params:
