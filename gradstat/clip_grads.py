@@ -112,10 +112,10 @@ def _requiring_grad_is_parameter(item: Tensor) -> bool:
     base = item._base
     # A parameter's view, not any leaf's: a create_graph gradient can be a view of its
     # grad_outputs when those require grad (torch.autograd.functional.jvp's double vjp).
-    return isinstance(base, torch.nn.Parameter) or held_grad(item) is not None
+    return isinstance(base, torch.nn.Parameter) or _read_grad(item) is not None
 
 
-def held_grad(item: Any, attr: str = "grad") -> Any:
+def _read_grad(item: Any, attr: str = "grad") -> Any:
     """``item.grad`` (or another attribute), without torch's warning that a non-leaf tensor's
     ``.grad`` is not populated by backward: the parameter views :func:`is_parameter` takes have
     theirs set by hand."""
@@ -390,7 +390,7 @@ class GradNorm:
         """The gradients given, or the ``.grad`` the parameters hold now."""
         if self.parameters is None:
             return self.grads
-        return [grad for param in self.parameters if (grad := held_grad(param)) is not None]
+        return [grad for param in self.parameters if (grad := _read_grad(param)) is not None]
 
     def __call__(self) -> float:
         """The norm of the gradients' current values, as a Python float."""
@@ -450,7 +450,7 @@ def _native_grads(parameters: _Params, group: Any, what: str) -> _NativeGrads:
         grads, tensor_parallel = [], []
         for index, item in enumerate(_as_list(parameters)):
             if is_parameter(item):
-                grad = held_grad(item)
+                grad = _read_grad(item)
             elif isinstance(item, Tensor):
                 grad = item
             else:
@@ -625,7 +625,7 @@ def _zero_count(tensors: list[Tensor], device: torch.device) -> Tensor:
 
 def _held_grad(item: Any, attr: str, index: int, what: str) -> Tensor | None:
     """``item``'s ``.grad`` (or ``.decoupled_grad``); a gradient given for a parameter refused."""
-    grad: Tensor | None = held_grad(item, attr)
+    grad: Tensor | None = _read_grad(item, attr)
     if (
         grad is None
         and isinstance(item, Tensor)

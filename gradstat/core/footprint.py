@@ -32,7 +32,7 @@ class Footprint(NamedTuple):
 
 
 def _dims(tensor: Tensor) -> list[tuple[int, int]]:
-    """(stride, size) of each dimension of more than one element, smallest |stride| first."""
+    """(stride, size) of each dimension of more than one element, smallest stride first."""
     return sorted(
         (stride, size)
         for stride, size in zip(tensor.stride(), tensor.shape, strict=True)
