@@ -54,6 +54,22 @@ def _local_and_dtensor(grad: torch.Tensor) -> tuple[torch.Tensor, DTensorRecord 
     return to_local(grad), describe(grad, with_offset=True)
 
 
+def _dense(grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` as the strided tensor the rank file stores: itself when strided; a sparse one
+    (COO, CSR, CSC, BSR, BSC; hybrid too) coalesced, duplicate entries summed, and densified,
+    every element it does not store a zero, as the norm functions read it. A new tensor:
+    nothing is written into ``grad``.
+
+    The file stays plain safetensors and every reader reads it as any other gradient; a sparse
+    gradient (an embedding's) is at most its parameter's size.
+    """
+    if grad.layout == torch.strided:
+        return grad
+    if grad.layout == torch.sparse_coo:
+        return grad.coalesce().to_dense()
+    return grad.to_dense()
+
+
 def param_record(name: str, param: Any, grad_attr: str) -> tuple[ParamRecord, torch.Tensor | None]:
     """The record a rank file holds of ``param`` and its gradient's local tensor (None: no
     gradient): what the reader rebuilds the parameter from."""
@@ -113,7 +129,7 @@ def save_rank(
 
     Needs no collective, so a failing job can still dump. The file appears atomically (written
     to a temporary file, fsynced, then linked into place); an existing rank file is kept unless
-    ``overwrite`` is set.
+    ``overwrite`` is set. A sparse gradient is written dense (see :func:`_dense`).
 
     Args:
         directory: the snapshot directory (created if missing).
@@ -149,7 +165,7 @@ def save_rank(
         record, local = param_record(name, param, grad_attr)
         records.append(record)
         if local is not None:
-            tensors.append((name, local))
+            tensors.append((name, _dense(local)))
     header = RankHeader(
         rank=rank,
         world_size=world_size,
