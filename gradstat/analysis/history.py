@@ -5,9 +5,12 @@ Two sources, one result:
 
 - the flight recorder's telemetry log (``telemetry.gslog`` in the run directory,
   :mod:`gradstat.recorder.log`): every recorded step's norm, the norm the job logged, the
-  triggers, and the per-parameter L2 norm, max |x|, zero, NaN and Inf counts; the snapshots of
-  the directory are linked to their steps. A step a resumed run replayed keeps its latest
-  record (the run as it went on). Torn or damaged records are skipped, one line each.
+  triggers, and the per-parameter L2 norm, max |x|, zero, NaN and Inf counts. A step a resumed
+  run replayed keeps its latest record (the run as it went on). Every complete snapshot of the
+  directory is listed with the record that took it, an earlier attempt's too (the record names
+  it: its step and repeat index), so a replay never hides the snapshot a killed run took; one
+  whose record was lost (the job killed between the two) is read for its own numbers. Torn or
+  damaged records are skipped, one line each.
 - the snapshots under a directory (the flight recorder's ``step-N``, a Megatron ``wgrads/``
   folder, or any other), read one at a time in step order, each once; hidden ones
   (``.step-*.partial``: being written, or left by a lost rank) are skipped.
@@ -44,6 +47,7 @@ __all__ = [
     "JUMP_KINDS",
     "SOURCES",
     "History",
+    "KeptSnapshot",
     "ParamSeries",
     "find_snapshots",
     "read_history",
@@ -120,10 +124,22 @@ class ParamSeries:
         return max((norm for norm in self.norms if math.isfinite(norm)), default=0.0)
 
 
+@dataclass(frozen=True)
+class KeptSnapshot:
+    """A complete snapshot of the run, with the total norm, zero count and triggers of the step
+    that took it (from a log: the record that named it, which may be an earlier attempt's)."""
+
+    path: Path
+    step: int
+    total_norm: float
+    num_zeros: int | None  # None: a log record without per-parameter statistics
+    triggers: tuple[str, ...]
+
+
 @dataclass
 class History:
     """The run's steps (each with its total norm, zero count, logged norm, triggers and
-    snapshot) and every parameter's series, in step order."""
+    snapshot), every complete snapshot, and every parameter's series, in step order."""
 
     norm_type: float
     source: str = "snapshots"  # "log" or "snapshots"
@@ -133,7 +149,11 @@ class History:
     total_zeros: list[int | None] = field(default_factory=list)
     logged: list[float | None] = field(default_factory=list)
     triggers: list[tuple[str, ...]] = field(default_factory=list)  # what took each snapshot
-    paths: list[Path | None] = field(default_factory=list)  # each step's snapshot, if kept
+    # Each step's snapshot, if kept: the one its record took, else its latest on disk.
+    paths: list[Path | None] = field(default_factory=list)
+    # Every complete snapshot, in step order (a replayed step's in the order written): a step
+    # may have several, from the attempts that ran it.
+    snapshots: list[KeptSnapshot] = field(default_factory=list)
     params: dict[str, ParamSeries] = field(default_factory=dict)
     param_norm_type: float = 2.0  # the per-parameter norms' (the log's are L2)
     problems: list[str] = field(default_factory=list)  # lines about what was skipped
@@ -152,7 +172,8 @@ class History:
         )
 
     def snapshot_rows(self) -> list[int]:
-        """The indices of the steps that have a snapshot."""
+        """The indices of the steps that have a snapshot (one each: ``snapshots`` lists them
+        all)."""
         return [index for index, path in enumerate(self.paths) if path is not None]
 
     def to_json(self) -> dict[str, Any]:
@@ -167,13 +188,13 @@ class History:
             "triggers": [list(triggers) for triggers in self.triggers],
             "snapshots": [
                 {
-                    "path": str(self.paths[index]),
-                    "step": self.steps[index],
-                    "total_norm": json_number(self.totals[index]),
-                    "num_zeros": self.total_zeros[index],
-                    "triggers": list(self.triggers[index]),
+                    "path": str(kept.path),
+                    "step": kept.step,
+                    "total_norm": json_number(kept.total_norm),
+                    "num_zeros": kept.num_zeros,
+                    "triggers": list(kept.triggers),
                 }
-                for index in self.snapshot_rows()
+                for kept in self.snapshots
             ],
             "params": [_series_json(series) for series in self.params.values()],
             "problems": self.problems,
@@ -335,12 +356,14 @@ def _add_snapshot(
     history: History, step: int, path: Path, snapshot: Snapshot, norm_type: float
 ) -> None:
     stats = snapshot_stats(snapshot, (norm_type,))
+    triggers = snapshot.files[0].header.triggers
     history.steps.append(step)
     history.paths.append(path)
     history.totals.append(stats.norm(norm_type))
     history.total_zeros.append(stats.zeros)
     history.logged.append(None)
-    history.triggers.append(snapshot.files[0].header.triggers)
+    history.triggers.append(triggers)
+    history.snapshots.append(KeptSnapshot(path, step, stats.norm(norm_type), stats.zeros, triggers))
     for param in stats.params:
         series = history.params.get(param.name)
         if series is None:
@@ -360,17 +383,24 @@ def _from_log(
     report: Callable[[str], None] | None,
 ) -> History:
     from gradstat.recorder.log import read_log
-    from gradstat.recorder.snapshots import complete_snapshots, snapshot_name
-    from gradstat.recorder.triggers import TRIGGERS
 
     damaged = _Problems(report)
     latest: dict[int, Any] = {}  # step: its latest record (a replayed step's last one wins)
+    # (step, repeat): what the record that took that snapshot says of its step. Any attempt's:
+    # a replay without a trigger must not hide the snapshot a killed attempt took.
+    took: dict[tuple[int, int], tuple[float, int | None, tuple[str, ...]]] = {}
     recorded_norm_type = None
     size, told = log.stat().st_size, 0
     for start, record in read_log(log, damaged):
         recorded_norm_type = start.norm_type
         if _within(record.step, since, until):
             latest[record.step] = record
+            if record.repeat >= 0:
+                took[record.step, record.repeat] = (
+                    record.norm,
+                    _total_zeros(record),
+                    _trigger_names(record.triggers),
+                )
         if on_progress is not None and record.end_offset - told >= _PROGRESS_BYTES:
             told = record.end_offset
             on_progress(told, size, "bytes")
@@ -385,28 +415,71 @@ def _from_log(
         )
     if not latest:
         raise SnapshotError(f"{log}: no step recorded from step {since} to {until}")
-    kept = {path.name: path for _, path in complete_snapshots(root)}
+    on_disk = _recorder_snapshots(root, since, until)
+    by_name = {(step, repeat): path for step, repeat, path in on_disk}
     history = History(recorded_norm_type, "log", param_norm_type=2.0, problems=damaged.lines)
     for step in sorted(latest):
         record = latest[step]
-        triggers = tuple(name for bit, name in enumerate(TRIGGERS) if record.triggers >> bit & 1)
-        path = None
-        if record.repeat >= 0:
-            path = kept.get(snapshot_name(step, record.repeat))
+        path = by_name.get((step, record.repeat)) if record.repeat >= 0 else None
+        if path is None:  # an earlier attempt's snapshot of the step, the latest written
+            path = next((found for at, _, found in reversed(on_disk) if at == step), None)
         history.steps.append(step)
         history.totals.append(record.norm)
         history.logged.append(record.logged)
-        history.triggers.append(triggers)
+        history.triggers.append(_trigger_names(record.triggers))
         history.paths.append(path)
         history.total_zeros.append(_add_params(history, record))
+    for step, repeat, path in on_disk:
+        if (step, repeat) in took:
+            history.snapshots.append(KeptSnapshot(path, step, *took[step, repeat]))
+            continue
+        # Its record was lost: the job was killed after the snapshot and before the log.
+        try:
+            snapshot = Snapshot.open(path)
+            stats = snapshot_stats(snapshot, (recorded_norm_type,))
+        except SnapshotError as error:
+            damaged(f"{path}: skipped, unreadable: {error}")
+            continue
+        total, triggers = stats.norm(recorded_norm_type), snapshot.files[0].header.triggers
+        history.snapshots.append(KeptSnapshot(path, step, total, stats.zeros, triggers))
     return history
+
+
+def _recorder_snapshots(
+    root: Path, since: int | None, until: int | None
+) -> list[tuple[int, int, Path]]:
+    """The flight recorder's complete snapshots from ``since`` to ``until`` as (step, repeat
+    index, path), in step order, a replayed step's in the order written (hidden ``.partial``
+    ones are not complete)."""
+    from gradstat.recorder.snapshots import complete_snapshots
+
+    return [
+        (step, _repeat_of(path, step) or 0, path)
+        for step, path in complete_snapshots(root)
+        if _within(step, since, until)
+    ]
+
+
+def _trigger_names(bits: int) -> tuple[str, ...]:
+    from gradstat.recorder.triggers import TRIGGERS
+
+    return tuple(name for bit, name in enumerate(TRIGGERS) if bits >> bit & 1)
+
+
+def _total_zeros(record: Any) -> int | None:
+    """A log record's zero count over the parameters with a gradient (None: none held)."""
+    if record.norms is None:
+        return None
+    total: int = sum(
+        zeros for norm, zeros in zip(record.norms, record.zeros, strict=True) if norm >= 0
+    )
+    return total
 
 
 def _add_params(history: History, record: Any) -> int | None:
     """Add a log record's per-parameter statistics; its total zero count (None: none held)."""
     if record.norms is None:
         return None
-    total = 0
     for index, name in enumerate(record.names):
         norm = record.norms[index]
         if norm < 0:
@@ -415,11 +488,9 @@ def _add_params(history: History, record: Any) -> int | None:
         if series is None:
             series = history.params[name] = ParamSeries(name, 0, record.expert[index])
         nan, inf = record.nan.get(index, 0), record.inf.get(index, 0)
-        zeros = record.zeros[index]
         series.numel = max(series.numel, record.numel[index] if record.numel else 0)
-        series.add(record.step, norm, zeros, record.max_abs[index], nan, inf)
-        total += zeros
-    return total
+        series.add(record.step, norm, record.zeros[index], record.max_abs[index], nan, inf)
+    return _total_zeros(record)
 
 
 def _p(norm_type: float) -> str:

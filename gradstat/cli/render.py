@@ -670,7 +670,7 @@ def print_history(console: Console, history: History, top: int | None = 20) -> N
     span = f"{min(finite):.6g} .. {max(finite):.6g}" if finite else "no finite norm"
     steps = f"steps {history.steps[0]} .. {history.steps[-1]}"
     if history.source == "log":
-        kept = len(history.snapshot_rows())
+        kept = len(history.snapshots)
         counted = f"{_count(len(history.steps), 'step')} in the log, {steps}"
         counted += f", {_count(kept, 'snapshot')} kept"
     else:

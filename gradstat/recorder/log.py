@@ -25,7 +25,9 @@ values) or NaN/Inf counts do not fit there is repeated exactly in ``extras`` (36
 ``logged`` is the NaN of bits ``_NO_LOGGED`` when the job logged no norm (any other NaN is a
 NaN it logged; version 1 wrote a plain NaN for none); ``repeat`` is the snapshot's repeat index
 (``step-N.repeat``), -1 for none; ``triggers`` has bit i set for trigger i of
-:data:`~gradstat.recorder.triggers.TRIGGERS`.
+:data:`~gradstat.recorder.triggers.TRIGGERS`. A start record of a version above
+``FORMAT_VERSION`` (a newer gradstat's, perhaps one that resumed the run) stops the reader with
+one line naming the file and both versions: its records are not this layout's to guess at.
 """
 
 from __future__ import annotations
@@ -330,7 +332,8 @@ def read_log(
     record. Damaged or torn bytes are skipped, each run as one ``report`` line.
 
     Raises:
-        SnapshotError: the file cannot be read, or holds no start record of this format.
+        SnapshotError: the file cannot be read, holds no start record of this format, or a
+            start record of a newer format version than :data:`FORMAT_VERSION`.
     """
     damage = _Damage(path, report)
     try:
@@ -366,10 +369,11 @@ def _records(
                 document = json.loads(payload)
                 if document.get("format") != FORMAT_NAME:
                     raise ValueError(f"format {document.get('format')!r}")
+                version = _version(document["version"], path)
                 start = StartRecord(
                     attempt=str(document["attempt"]),
                     time_ns=int(document["time_ns"]),
-                    version=int(document["version"]),
+                    version=version,
                     norm_type=float(document["norm_type"]),
                     world_size=int(document["world_size"]),
                     every=document["every"],
@@ -394,6 +398,25 @@ def _records(
             damage(record_offset, offset - record_offset, f"a record that does not parse: {error}")
     if start is None:
         raise SnapshotError(f"{path}: no start record of a {FORMAT_NAME} log")
+
+
+def _version(stored: Any, path: Path) -> int:
+    """A start record's format version, refused when a newer gradstat wrote it: its records
+    may hold what this reader would misread, and a resumed run's later attempts with them.
+
+    Raises:
+        SnapshotError: a version above :data:`FORMAT_VERSION`.
+    """
+    version = int(stored)
+    if version < 1:
+        raise ValueError(f"format version {version}, which no gradstat writes")
+    if version > FORMAT_VERSION:
+        raise SnapshotError(
+            f"{path}: a telemetry log of format version {version}, written by a newer "
+            f"gradstat; this one reads versions up to {FORMAT_VERSION}: upgrade gradstat "
+            "to read it"
+        )
+    return version
 
 
 def _frame_at(data: mmap.mmap, offset: int, size: int) -> tuple[int, bytes] | str:
