@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gradstat.core import kernels
+from gradstat.core import kernels, replicas
 from gradstat.core.footprint import Footprint, footprint, overlaps_itself, relation
 from gradstat.core.groups import (
     MeshShards,
@@ -132,7 +132,7 @@ def _label(what: str, index: int, tensor: Any, *, of_parameter: bool) -> str:
     return f"{what}: {held} {index} (shape {shape})"
 
 
-def _readable(grad: Tensor, label: str) -> tuple[Tensor, int]:
+def readable_values(grad: Tensor, label: str) -> tuple[Tensor, int]:
     """The tensor the statistics read for ``grad``, and how many zeros it leaves implicit.
 
     A strided tensor (or DTensor) is itself. A sparse one (COO, CSR, CSC, BSR, BSC) is the
@@ -189,7 +189,7 @@ def _megatron_grads(grads_for_norm: _TensorOrList, what: str) -> tuple[list[Tens
                 "grad or holds a .grad); pass the gradients (grads_for_norm(params)), not the "
                 "parameters"
             )
-        tensor, zeros = _readable(grad, _label(what, index, grad, of_parameter=False))
+        tensor, zeros = readable_values(grad, _label(what, index, grad, of_parameter=False))
         readable.append(tensor)
         implicit += zeros
     return readable, implicit
@@ -428,43 +428,69 @@ class _NativeGrads:
         plain: plain gradients (data-parallel replicas, or distinct over ``group``).
         shards: the local DTensor shards this rank holds uniquely in the whole job (Shard
             pieces, a Replicate copy at coordinate 0 only, see :mod:`gradstat.core.placements`).
-        implicit_zeros: the zeros sparse gradients among ``plain`` do not store.
+        implicit_zeros: the zeros each of ``plain`` does not store (a sparse gradient's).
         problem: this rank's error, raised on every rank once they have all been told.
         device: where the statistics live.
+        places: each of ``plain``'s place in the caller's list.
+        length: how many items the caller's list holds.
+        lacking: the places of plain parameters that want a gradient and hold none (see
+            :mod:`gradstat.core.replicas`).
+        per_place: whether the replicas lack different gradients (decided at the first
+            reduction, over every rank).
     """
 
     plain: list[Tensor]
     shards: list[Tensor]
-    implicit_zeros: int
+    implicit_zeros: list[int]
     problem: GradstatError | None
     device: torch.device
+    places: list[int]
+    length: int
+    lacking: list[int]
+    per_place: bool | None = None
+
+
+def _lacks(item: Any) -> bool:
+    """Whether ``item``, holding no gradient, is a plain parameter that wants one: None (a
+    place without a gradient) or a parameter requiring grad (a frozen one never has one)."""
+    if item is None:
+        return True
+    return bool(getattr(item, "requires_grad", False)) and not is_dtensor(item)
 
 
 def _native_grads(parameters: _Params, group: Any, what: str) -> _NativeGrads:
     """Sort a torch-native job's gradients; an error is kept, to be told to every rank."""
     plain: list[Tensor] = []
     shards: list[Tensor] = []
-    implicit, problem = 0, None
+    implicit: list[int] = []
+    places: list[int] = []
+    lacking: list[int] = []
+    problem = None
+    items = _as_list(parameters)
     try:
         check_stats_group(group, what)
-        grads, tensor_parallel = [], []
-        for index, item in enumerate(_as_list(parameters)):
-            if is_parameter(item):
-                grad = _read_grad(item)
+        grads, tensor_parallel, zeros_of, place_of = [], [], [], {}
+        for index, item in enumerate(items):
+            if item is None or is_parameter(item):
+                grad = None if item is None else _read_grad(item)
             elif isinstance(item, Tensor):
                 grad = item
             else:
                 raise GradientInputError(
-                    f"{what}: item {index} is a {type(item).__name__}, not a tensor or parameter"
+                    f"{what}: item {index} is a {type(item).__name__}, not a tensor, a parameter "
+                    "or None"
                 )
             if grad is None:
+                if _lacks(item):
+                    lacking.append(index)
                 continue
             label = _label(what, index, grad, of_parameter=grad is not item)
-            readable, zeros = _readable(grad, label)
-            grads.append(readable)
-            implicit += zeros
+            values, zeros = readable_values(grad, label)
+            place_of[id(values)] = index
+            grads.append(values)
+            zeros_of.append(zeros)
             tensor_parallel.append(bool(getattr(item, "tensor_model_parallel", False)))
-        plain = grads
+        plain, implicit = grads, zeros_of
         if any(type(grad) is not Tensor and is_dtensor(grad) for grad in grads):
             try:
                 plain, meshes = split_by_mesh(grads, tensor_parallel, root=True)
@@ -473,12 +499,15 @@ def _native_grads(parameters: _Params, group: Any, what: str) -> _NativeGrads:
             except ValueError as error:  # a mesh without this rank, copies it cannot tell
                 raise GradientInputError(f"{what}: {error}") from error
             shards = [shard for bucket in meshes for shard in bucket.shards]
+            zeros_by_id = {id(grad): zeros for grad, zeros in zip(grads, zeros_of, strict=True)}
+            implicit = [zeros_by_id[id(grad)] for grad in plain]
+        places = [place_of[id(grad)] for grad in plain]
     except GradstatError as error:
-        plain, shards, implicit, problem = [], [], 0, error
+        plain, shards, implicit, places, lacking, problem = [], [], [], [], [], error
     if problem is not None and not _distributed():
         raise problem
     device = stats_device(plain + shards, None, group if problem is None else None)
-    return _NativeGrads(plain, shards, implicit, problem, device)
+    return _NativeGrads(plain, shards, implicit, problem, device, places, len(items), lacking)
 
 
 def _distributed() -> bool:
@@ -491,7 +520,7 @@ def _native_reduce(
     op: dist.ReduceOp.RedOpType,
     group: dist.ProcessGroup | None,
     *,
-    offset: int = 0,
+    implicit: bool = False,
 ) -> Tensor:
     """``compute`` of a torch-native job's gradients, reduced over every rank alike.
 
@@ -499,12 +528,15 @@ def _native_reduce(
     numbers, so the norm's later reductions (the scaled path) are taken by all or none:
 
     - one all-reduce over the default group with ``op`` of the DTensor shards' statistic
-      (each element of the job is counted on exactly one rank, so one sum serves every mesh)
-      and of whether a rank refused its gradients;
+      (each element of the job is counted on exactly one rank, so one sum serves every mesh),
+      of whether a rank refused its gradients and of whether one lacks a gradient;
     - the plain gradients' statistic, summed over ``group`` when given (pipeline stages),
       then its MAX over the default group: plain gradients are data-parallel replicas, so a
       rank whose list lacks one takes another rank's value. For the MAX of an inf norm this
-      rides on the first all-reduce.
+      rides on the first all-reduce. Without ``group``, replicas that lack different
+      gradients are matched by place instead (:mod:`gradstat.core.replicas`).
+
+    ``implicit``: add each gradient's implicit zeros (a sparse gradient's) to its statistic.
     """
     with torch.no_grad():
         # An empty list's statistic is zeros of the same shape: no kernel (nor, on CUDA, a
@@ -519,26 +551,36 @@ def _native_reduce(
         else:
             mesh = compute(native.shards, native.device)
             plain = mesh.new_zeros(mesh.shape)
-        if offset:
-            plain = plain + offset
+        if implicit:
+            plain = plain + sum(native.implicit_zeros)
         if not _distributed():
             return torch.maximum(plain, mesh) if op == dist.ReduceOp.MAX else plain + mesh
         is_max = op == dist.ReduceOp.MAX
-        refused = torch.tensor([native.problem is not None], dtype=mesh.dtype).to(mesh.device)
-        parts = [mesh.reshape(-1), refused]
+        flags = [native.problem is not None, bool(native.lacking)]
+        parts = [mesh.reshape(-1), torch.tensor(flags, dtype=mesh.dtype).to(mesh.device)]
         if is_max and group is None:
             parts.append(plain.reshape(-1))
         world = all_reduce(torch.cat(parts), op, None)
         if native.problem is not None:
             raise native.problem
-        if float(world[mesh.numel()]):
+        refused, lacked = world[mesh.numel() : mesh.numel() + 2].tolist()
+        if refused:
             raise GradstatError(
                 f"rank {dist.get_rank()}: another rank refused its gradients (its error says "
                 "why), so no statistic was computed; fix that rank's input"
             )
         mesh = world[: mesh.numel()].reshape(mesh.shape)
-        if is_max and group is None:
-            plain = world[mesh.numel() + 1 :].reshape(plain.shape)
+        if group is None and lacked and native.per_place is None:
+            native.per_place = replicas.lacked_differently(
+                native.length, native.lacking, native.device
+            )
+        if native.per_place:
+            extra = native.implicit_zeros if implicit else [0] * len(native.plain)
+            plain = replicas.per_place(
+                native.plain, native.places, extra, native.length, compute, op, native.device
+            )
+        elif is_max and group is None:
+            plain = world[mesh.numel() + 2 :].reshape(plain.shape)
         else:
             if group is not None:
                 all_reduce(plain, op, group)
@@ -612,9 +654,7 @@ def total_zeros(parameters: _Params, *, group: dist.ProcessGroup | None = None) 
         StatsGroupError: a ``group`` that does not contain this rank.
     """
     native = _native_grads(parameters, group, "total_zeros")
-    stat = _native_reduce(
-        native, _zero_count, dist.ReduceOp.SUM, group, offset=native.implicit_zeros
-    )
+    stat = _native_reduce(native, _zero_count, dist.ReduceOp.SUM, group, implicit=True)
     return int(stat)
 
 
@@ -886,14 +926,14 @@ def count_zeros_fp32(
         if not fsdp and not param_is_unique(param, *groups):
             continue
         label = _label(what, index, grad, of_parameter=True)
-        readable, implicit = _readable(grad.detach(), label)
+        values, implicit = readable_values(grad.detach(), label)
         implicit_zeros += implicit
-        local = to_local(readable)
+        local = to_local(values)
         if fsdp:
             fsdp_shards.append(local)
         else:
             pad_zeros += _gtp_pad_zero_count(param, local)
-            counted.append(readable)
+            counted.append(values)
     if fsdp_shards and any(is_dtensor(grad) for grad in counted):
         raise ValueError(
             "Megatron-FSDP params (__fsdp_param__) are mixed with DTensor gradients that need a "

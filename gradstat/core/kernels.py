@@ -51,6 +51,7 @@ __all__ = [
     "combine_norms",
     "nonzero_count",
     "norm",
+    "norm_partials",
     "one_pass_serves",
     "reduced_norm",
     "scaled_power_sum",
@@ -274,7 +275,7 @@ def _fast_power_sum(grads: Sequence[Tensor], p: int, device: torch.device) -> Te
 
 
 def _device_partials(grads: Sequence[Tensor], p: int) -> Tensor:
-    """:func:`_norm_partials` for CUDA gradients and p = 1 or 2, on their device, with no sync.
+    """:func:`norm_partials` for CUDA gradients and p = 1 or 2, on their device, with no sync.
 
     Whether the sum is exact is decided on the device: a sum below the underflow guard, or an
     infinite one, is flagged for rescaling (zeroed), and the scaled path then tells an infinite
@@ -529,7 +530,7 @@ def _checked_power_sum(
     return total, _Sum.INF if math.isinf(largest()) else _Sum.SCALE
 
 
-def _norm_partials(grads: Sequence[Tensor], p: float, device: torch.device) -> Tensor:
+def norm_partials(grads: Sequence[Tensor], p: float, device: torch.device) -> Tensor:
     """What one rank adds to the others' for a finite p-norm: four float64 numbers.
 
     [sum |x|^p (0 when out of range), 1 if it under- or overflowed (or p < 1), 1 if an element
@@ -588,7 +589,7 @@ def reduced_norm(p: float, reduce: StatReduce, partials: StatCompute | None = No
         reduce: computes a statistic on every rank and reduces it over the ranks (SUM or MAX),
             the same on every rank.
         partials: computes the four numbers of a rank (default: from its tensors, see
-            :func:`_norm_partials`); a prepared plan passes its own.
+            :func:`norm_partials`); a prepared plan passes its own.
 
     Returns:
         The norm: NaN if an element is NaN, else inf if one is infinite, or if the norm itself
@@ -599,7 +600,7 @@ def reduced_norm(p: float, reduce: StatReduce, partials: StatCompute | None = No
         return math.nan if nan else peak
 
     def default_partials(tensors: list[Tensor], device: torch.device) -> Tensor:
-        return _norm_partials(tensors, p, device)
+        return norm_partials(tensors, p, device)
 
     first = reduce(partials or default_partials, dist.ReduceOp.SUM)
     total, scale, infinite, nan = first.tolist()

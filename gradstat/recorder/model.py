@@ -108,18 +108,17 @@ class Gradients:
             items = self.items()
         megatron = megatron_state()
         if megatron is None:
-            if self.grad_attr == "grad":
-                # Parameters go as they are (total_norm reads their attributes and .grad).
-                given = [
-                    item if isinstance(item, torch.nn.Parameter) else self.gradient(item)
-                    for item in items
-                ]
-                return total_norm(
-                    [item for item in given if item is not None], norm_type, group=group
-                )
-            held = [self.gradient(item) for item in items]
-            present = [grad for grad in held if grad is not None]
-            return total_norm(present, norm_type, group=group)
+            # A place whose gradient is missing stays in the list as None: replicas that lack
+            # different gradients are matched by place (see gradstat.core.replicas).
+            given = []
+            for item in items:
+                if self.grad_attr == "grad" and isinstance(item, torch.nn.Parameter):
+                    given.append(item)  # total_norm reads its attributes and .grad
+                    continue
+                grad = self.gradient(item)
+                if grad is not None or getattr(item, "requires_grad", False):
+                    given.append(grad)
+            return total_norm(given, norm_type, group=group)
         # Megatron: the gradients its optimizer counts. Distributed-optimizer fragments hold
         # each element once across the job; whole gradients are reduced as its plain optimizers
         # reduce them, the dense ones over the model-parallel group and the expert ones over

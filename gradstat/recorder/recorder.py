@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from gradstat._collector import collector_paused
 from gradstat.clip_grads import check_norm_type
+from gradstat.core.groups import megatron_state
 from gradstat.errors import ArgumentError, ArgumentTypeError
 from gradstat.recorder.agreement import Agreement
 from gradstat.recorder.arguments import (
@@ -65,6 +66,10 @@ class StepRecord:
     triggers: tuple[str, ...]
     snapshot: Path | None  # where the step's snapshot lands (None: no trigger, or skipped)
     logged_norm: float | None = None  # what the job passed as logged_norm
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= _TELEMETRY_RTOL * max(a, b)
 
 
 def _bits(value: float) -> int:
@@ -339,40 +344,61 @@ class Recorder:
         """The step's norm, and its per-parameter statistics when ``due`` (collectives: every
         rank decides alike, from agreed values).
 
-        An L2 norm over the default groups is the root of the per-parameter squares once the
-        two were computed both ways and agreed for the parameters as they are: one pass over
-        the gradients, not two. Both ways again every ``_CHECK_EVERY`` recorded steps."""
+        An L2 norm over the default groups comes from the statistics' own pass once the two
+        were computed both ways and agreed for the parameters as they are: one pass over the
+        gradients, not two. Both ways again every ``_CHECK_EVERY`` recorded steps."""
         telemetry = self._telemetry
         if telemetry is None or not due:
             return self._gradients.norm(self.norm_type, self.group, items), None
         self._measured += 1
-        derived = (
-            self.norm_type == 2
-            and self.group is None
-            and not self._said_totals_differ
-            and self._verified == telemetry.version
-            and self._measured % _CHECK_EVERY != 0
-        )
-        if derived:
+        derivable = self.norm_type == 2 and self.group is None
+        if derivable and self._verified == telemetry.version and self._measured % _CHECK_EVERY != 0:
             params = self._measure(telemetry, items)
-            if params is not None:
-                return params.total(), params
-            return self._gradients.norm(self.norm_type, self.group, items), None
+            derived = self._derived(telemetry, params)
+            if derived is not None:
+                return derived, params
+            return self._gradients.norm(self.norm_type, self.group, items), params
         norm = self._gradients.norm(self.norm_type, self.group, items)
         params = self._measure(telemetry, items)
         if params is None or self.norm_type != 2 or not math.isfinite(norm):
             return norm, params
-        total = params.total()
-        if abs(total - norm) <= _TELEMETRY_RTOL * max(norm, total):
+        derived = self._derived(telemetry, params) if derivable else None
+        if derived is not None and _close(derived, norm):
             self._verified = telemetry.version
-        elif not self._said_totals_differ:
+        total = params.total()
+        if not _close(total, norm) and not self._said_totals_differ:
             self._said_totals_differ = True
-            warn(
-                f"step {step}: the per-parameter statistics (counted as gradstat norm counts a "
-                f"snapshot of this step) make a norm of {total:.9g}, the recorder's norm is "
-                f"{norm:.9g}: pass group=, coords= or mesh= so that both count the same copies"
-            )
+            if self._agreement.rank == 0:
+                warn(
+                    f"step {step}: the per-parameter statistics (counted as gradstat norm counts "
+                    f"a snapshot of this step) make a norm of {total:.9g}, the recorder's norm "
+                    f"is {norm:.9g}: {self._why_totals_differ(telemetry)}"
+                )
         return norm, params
+
+    @staticmethod
+    def _derived(telemetry: Telemetry, params: ParamsAtStep | None) -> float | None:
+        """The norm from the statistics' pass: ``total_norm``'s in a torch-native job;
+        Megatron's (the rows' total, each copy once) in a live Megatron job, NaN or inf where
+        any rank's copy holds one. None where the pass cannot tell it."""
+        found = telemetry.native_total
+        if params is None or found is None:
+            return None
+        if megatron_state() is None:
+            return found.norm()
+        if found.nan or found.inf:
+            return math.nan if found.nan else math.inf
+        return params.total()
+
+    @staticmethod
+    def _why_totals_differ(telemetry: Telemetry) -> str:
+        found = telemetry.native_total
+        if found is not None and megatron_state() is None and found.lacking_differs:
+            return (
+                "the ranks lack different gradients (None on some ranks only), which the "
+                "norm takes from every rank and the statistics from data-parallel rank 0"
+            )
+        return "pass group=, coords= or mesh= so that both count the same copies"
 
     def _measure(self, telemetry: Telemetry, items: list[Any]) -> ParamsAtStep | None:
         params = self.params = telemetry.measure(items)

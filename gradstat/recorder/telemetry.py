@@ -39,9 +39,11 @@ import torch.distributed as dist
 
 from gradstat._cached import cached
 from gradstat.analysis.stats import Request, counts, tensor_piece
-from gradstat.core import native
-from gradstat.core.groups import AxisPlace, stats_device, to_local
+from gradstat.clip_grads import readable_values
+from gradstat.core import kernels, native
+from gradstat.core.groups import AxisPlace, is_dtensor, stats_device, to_local
 from gradstat.core.kernels import UNDERFLOW_GUARD
+from gradstat.core.replicas import lacking_digest
 from gradstat.errors import GradstatError
 from gradstat.recorder.agreement import ready
 from gradstat.recorder.messages import warn
@@ -51,9 +53,13 @@ from gradstat.snapshot.format import RankHeader
 from gradstat.snapshot.reader import RebuiltParam, filter_places_of
 from gradstat.snapshot.writer import check_coords, param_record
 
-__all__ = ["Layout", "ParamsAtStep", "Telemetry"]
+__all__ = ["Layout", "NativeTotal", "ParamsAtStep", "Telemetry"]
 
 _SUMS = 5  # per name: squares, zeros, NaN, Inf, elements
+# After the names' entries: the sums' DTensor squares and failed ranks; the maxima's plain
+# squares, NaN, Inf, out of float64's range, and the lacking digest (and its negation).
+_SUM_EXTRAS = 2
+_MAX_EXTRAS = 6
 _OUTSIZED = 1e100
 
 
@@ -91,6 +97,34 @@ class ParamsAtStep:
 
 
 @dataclass(frozen=True)
+class NativeTotal:
+    """What :func:`gradstat.total_norm` (group None) makes of a step's gradients, from the
+    statistics' own pass: the DTensor shards' squares summed over the ranks, the plain
+    gradients' as the largest rank's (replicas), and whether any rank's gradient, counted in
+    the rows or not (another replica, a copy), holds a NaN or an Inf.
+
+    The pass cannot stand for ``total_norm`` where the ranks lack different gradients
+    (``total_norm`` matches replicas by place there) or a sum left float64's range."""
+
+    dtensor_squares: float
+    plain_squares: float
+    nan: bool
+    inf: bool
+    in_range: bool
+    lacking_differs: bool
+
+    def norm(self) -> float | None:
+        """The L2 norm ``total_norm`` gives, or None where this pass cannot tell it."""
+        if self.nan:
+            return math.nan
+        if self.inf:
+            return math.inf
+        if self.lacking_differs or not self.in_range:
+            return None
+        return math.sqrt(self.dtensor_squares + self.plain_squares)
+
+
+@dataclass(frozen=True)
 class _LiveRank:
     """This rank's gradients described as its rank file would describe them (no file)."""
 
@@ -119,6 +153,7 @@ class _Local:
     counted: list[tuple[int, RebuiltParam, str]]  # (item position, param, slot name)
     padded: list[bool]  # whether a counted tensor may hold GTP padding (not counted)
     slots: list[int]  # agreed slot of each counted tensor
+    uncounted: list[int]  # the other items' positions (copies counted elsewhere)
     failure: str | None = None  # why this rank could not describe its gradients
     stale: bool = False  # a gradient's shape changed under the same parameter: describe again
 
@@ -187,6 +222,7 @@ class Telemetry:
         self._said_failed = False
         self._local: _Local | None = None
         self._slot: dict[str, int] = {}
+        self.native_total: NativeTotal | None = None  # of the latest measure()
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
@@ -241,6 +277,7 @@ class Telemetry:
             counted,
             padded=[_may_pad(param) for _, param, _ in counted],
             slots=[self._slot.get(slot, -1) for _, _, slot in counted],
+            uncounted=sorted(set(range(len(records))) - {position for position, _, _ in counted}),
         )
 
     def _undescribed(self, items: Sequence[Any], error: Exception) -> _Local:
@@ -250,7 +287,7 @@ class Telemetry:
         header = RankHeader(0, 1, None, check_coords({}), False, self.gradients.grad_attr, ())
         live = _LiveRank(header, self.directory)
         ids = tuple(map(id, items))
-        return _Local(ids, self._held(items), [], [], live, [], [], [], failure=str(error))
+        return _Local(ids, self._held(items), [], [], live, [], [], [], [], failure=str(error))
 
     def agree(self, items: Sequence[Any]) -> None:
         """Agree on the names (a collective: every rank calls, when any rank changed)."""
@@ -281,7 +318,8 @@ class Telemetry:
         local.slots = [self._slot[slot] for _, _, slot in local.counted]
 
     def measure(self, items: Sequence[Any]) -> ParamsAtStep | None:
-        """This step's statistics of every agreed name (a collective: every rank calls).
+        """This step's statistics of every agreed name (a collective: every rank calls); also
+        sets :attr:`native_total`.
 
         None when some rank could not compute its part (its reason is one warning line there):
         every rank still joins the reductions, so none waits for another.
@@ -289,19 +327,22 @@ class Telemetry:
         local = self._local
         assert local is not None, "agree() comes first"
         width = len(self.layout.names)
-        sums = [0.0] * (width * _SUMS + 1)  # the last: ranks that failed
-        maxima = [0.0] * width
+        sums = [0.0] * (width * _SUMS + _SUM_EXTRAS)
+        maxima = [0.0] * (width + _MAX_EXTRAS)
         failure = None
         norms: list[tuple[int, float]] = []
+        self.native_total = None
         try:
             if local.failure is not None:
                 raise GradstatError(local.failure)
             norms = self._add_local(local, items, sums, maxima)
         except Exception as error:  # every rank still joins the reductions below
             failure = error
-            sums = [0.0] * (width * _SUMS) + [1.0]
+            sums = [0.0] * (width * _SUMS + _SUM_EXTRAS)
+            sums[-1] = 1.0
+            maxima = [0.0] * (width + _MAX_EXTRAS)
         maxed = self._reduced(maxima, dist.ReduceOp.MAX)
-        scales = [_scale(peak) for peak in maxed]
+        scales = [_scale(peak) for peak in maxed[:width]]
         outsized = {slot for slot, scale in enumerate(scales) if scale != 1.0}
         if outsized and failure is None:
             # Squares that would overflow (or underflow) float64: summed relative to the
@@ -319,30 +360,44 @@ class Telemetry:
                 warn(f"per-parameter statistics skipped from this step: a rank failed{reason}")
             return None
         self._said_failed = False
-        return self._result(summed, maxed, scales)
+        plain, nan, inf, out_of_range, digest, negated = maxed[width:]
+        self.native_total = NativeTotal(
+            dtensor_squares=summed[-2],
+            plain_squares=plain,
+            nan=bool(nan),
+            inf=bool(inf),
+            in_range=not (outsized or out_of_range),
+            lacking_differs=digest != -negated,
+        )
+        return self._result(summed, maxed[:width], scales)
 
     def _add_local(
         self, local: _Local, items: Sequence[Any], sums: list[float], maxima: list[float]
     ) -> list[tuple[int, float]]:
-        """Add this rank's counted tensors into ``sums`` and ``maxima``; each tensor's slot
-        and L2 norm."""
-        grads = []
+        """Add this rank's counted tensors into ``sums`` and ``maxima``, and what
+        :class:`NativeTotal` needs of all its gradients into their extra entries; each counted
+        tensor's slot and L2 norm."""
+        width = len(self.layout.names)
+        grads, plain = [], []
         for position, param, _ in local.counted:
-            grad = to_local(self.gradients.gradient(items[position]))
+            held = self.gradients.gradient(items[position])
+            grad = to_local(held)
             if tuple(grad.shape) != param.record.shape:
                 local.stale = True
                 raise GradstatError(
                     f"{param.name!r}: its gradient's shape {list(grad.shape)} changed without "
                     "its parameter changing; re-agreed at the next step"
                 )
-            grads.append(grad)
+            grads.append(grad if grad.layout == torch.strided else grad.to_dense())
+            plain.append(not is_dtensor(held))
+        others, rank_sums = self._uncounted(local, items)
         norms: list[tuple[int, float]] = []
-        if not grads:
-            return norms
-        request = Request.make((2.0, math.inf), zeros=True, device=grads[0].device)
+        squares = {True: 0.0, False: 0.0}  # plain or not: each counted tensor's squares
+        device = grads[0].device if grads else torch.device("cpu")
+        request = Request.make((2.0, math.inf), zeros=True, device=device)
         passes = native.fused_many_f32(grads) if request.one_pass else [None] * len(grads)
-        for (_, param, _), slot, padded, grad, fused in zip(
-            local.counted, local.slots, local.padded, grads, passes, strict=True
+        for (_, param, _), slot, padded, grad, fused, is_plain in zip(
+            local.counted, local.slots, local.padded, grads, passes, plain, strict=True
         ):
             base = slot * _SUMS
             if fused is not None and not padded and _plain(fused):
@@ -352,6 +407,7 @@ class Telemetry:
                 sums[base + 4] += grad.numel()
                 maxima[slot] = max(maxima[slot], fused.max_abs)
                 norms.append((slot, math.sqrt(fused.sum_squares)))
+                squares[is_plain] += fused.sum_squares
                 continue
             param.grad = grad
             found = tensor_piece(local.live, param, grad, request, fused)
@@ -362,12 +418,38 @@ class Telemetry:
             if found.nonfinite is not None:
                 sums[base + 2] += found.nonfinite.nan
                 sums[base + 3] += found.nonfinite.inf
+                rank_sums[1] += found.nonfinite.nan
+                rank_sums[2] += found.nonfinite.inf
             sums[base + 4] += found.numel
             norms.append((slot, norm))
+            if math.isfinite(norm):
+                squares[is_plain] += norm * norm
             # A NaN is counted, not maximised: MAX over ranks does not propagate it.
             if found.max_abs is not None and not math.isnan(found.max_abs):
                 maxima[slot] = max(maxima[slot], found.max_abs)
+        sums[width * _SUMS] = squares[False]
+        rank_sums[0] += squares[True]
+        maxima[width:] = [*rank_sums, others, -others]
         return norms
+
+    def _uncounted(self, local: _Local, items: Sequence[Any]) -> tuple[float, list[float]]:
+        """The lacking digest of this rank's list, and its uncounted plain gradients' squares,
+        NaN, Inf and out-of-range flags (:class:`NativeTotal`: total_norm reads them all)."""
+        lacking, grads = [], []
+        for position in local.uncounted:
+            item = items[position]
+            held = self.gradients.gradient(item)
+            if held is None:
+                if getattr(item, "requires_grad", False) and not is_dtensor(item):
+                    lacking.append(position)
+            elif not is_dtensor(held):
+                grads.append(readable_values(held, f"gradient {position}")[0])
+        found = [0.0, 0.0, 0.0, 0.0]
+        if grads:
+            device = stats_device(grads, None)
+            total, scaled, inf, nan = kernels.norm_partials(grads, 2.0, device).tolist()
+            found = [total, nan, inf, scaled]
+        return lacking_digest(len(items), lacking), found
 
     @staticmethod
     def _reduced(values: list[float], op: Any) -> list[float]:
