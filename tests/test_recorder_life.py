@@ -368,6 +368,13 @@ def test_a_snapshot_without_the_recorders_marker_is_classed_by_its_triggers(
         ({"max_dump_s": math.inf}, ValueError, "max_dump_s must be a finite number"),
         ({"agree_timeout_s": "5"}, TypeError, "agree_timeout_s must be a number"),
         ({"norm_type": -1}, ValueError, "norm"),
+        ({"coords": {"tp": [0]}}, ValueError, "coords['tp'] is [0]; expected [rank_on_axis"),
+        ({"coords": {"tp": [2, 2]}}, ValueError, "coords['tp'] is [2, 2]"),
+        ({"coords": {"tp": "ab"}}, ValueError, "coords={'tp': 'ab'}: coords['tp'] is"),
+        ({"coords": {"dpp": [0, 2]}}, ValueError, "unknown axis 'dpp'"),
+        ({"telemetry_groups": "layers"}, TypeError, "a list of regular expressions"),
+        ({"telemetry_groups": [r"layers\.("]}, ValueError, "is no regular expression"),
+        ({"telemetry_groups": [3]}, TypeError, "3 is no regular expression"),
     ],
 )
 def test_bad_arguments_are_refused_in_one_line(

@@ -166,6 +166,21 @@ def test_every_n_steps_and_groups_by_pattern(tmp_path: Path) -> None:
     assert size < 4096, "five steps of six rows: a few hundred bytes"
 
 
+def test_a_pattern_that_matches_empty_text_names_no_group(tmp_path: Path) -> None:
+    """``layers\\.\\d*|`` matches "" in every name: such a name falls to the next pattern, or
+    is its own row, never one row named ""."""
+    torch.manual_seed(0)
+    model = _Net()
+    recorder = gradstat.Recorder(
+        model, tmp_path, spike=None, telemetry_groups=[r"x*", r"layers\.\d+"]
+    )
+    _backward(model, 1)
+    recorder.step(1)
+    assert recorder.params is not None
+    names = recorder.params.layout.names
+    assert "" not in names and names[:4] == ("embed.weight", "layers.0", "layers.1", "layers.2")
+
+
 def test_a_model_that_changes_is_recorded_under_its_new_names(tmp_path: Path) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     recorder = gradstat.Recorder(model, tmp_path, spike=None)

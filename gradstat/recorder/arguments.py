@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -14,6 +15,7 @@ from gradstat.errors import ArgumentError, ArgumentTypeError
 __all__ = [
     "count",
     "logged_value",
+    "patterns",
     "seconds",
     "spike_factor",
     "step_number",
@@ -26,6 +28,21 @@ def _whole(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ArgumentTypeError(f"{name} must be an integer, got {value!r}")
     return int(value)
+
+
+def patterns(name: str, value: Any) -> tuple[str, ...]:
+    """``value`` as a tuple of regular expressions, each compiled once to check it."""
+    if isinstance(value, str | bytes):
+        raise ArgumentTypeError(f"{name} must be a list of regular expressions, got {value!r}")
+    found = tuple(value)
+    for pattern in found:
+        if not isinstance(pattern, str):
+            raise ArgumentTypeError(f"{name}: {pattern!r} is no regular expression (a str)")
+        try:
+            re.compile(pattern)
+        except re.error as error:
+            raise ArgumentError(f"{name}: {pattern!r} is no regular expression: {error}") from None
+    return found
 
 
 def count(name: str, value: Any) -> int:

@@ -18,11 +18,12 @@ import torch.distributed as dist
 from gradstat._collector import collector_paused
 from gradstat.clip_grads import check_norm_type
 from gradstat.core.groups import megatron_state
-from gradstat.errors import ArgumentError, ArgumentTypeError
+from gradstat.errors import ArgumentError
 from gradstat.recorder.agreement import Agreement
 from gradstat.recorder.arguments import (
     count,
     logged_value,
+    patterns,
     seconds,
     spike_factor,
     step_number,
@@ -35,6 +36,8 @@ from gradstat.recorder.model import Gradients
 from gradstat.recorder.snapshots import Snapshots
 from gradstat.recorder.telemetry import Layout, ParamsAtStep, Telemetry
 from gradstat.recorder.triggers import TRIGGERS, Triggers
+from gradstat.snapshot.capture import rank_coords
+from gradstat.snapshot.writer import check_coords
 
 __all__ = ["Recorder", "StepRecord"]
 
@@ -66,6 +69,16 @@ class StepRecord:
     triggers: tuple[str, ...]
     snapshot: Path | None  # where the step's snapshot lands (None: no trigger, or skipped)
     logged_norm: float | None = None  # what the job passed as logged_norm
+
+
+def _check_coords(coords: Mapping[str, Sequence[int]] | None, mesh: Any) -> None:
+    """Refuse coordinates every snapshot would refuse, at construction, not at each dump."""
+    if coords is None:
+        return
+    try:
+        check_coords(rank_coords(coords, mesh)[2])
+    except (TypeError, ValueError) as error:
+        raise ArgumentError(f"coords={dict(coords)!r}: {error}") from error
 
 
 def _close(a: float, b: float) -> bool:
@@ -177,17 +190,14 @@ class Recorder:
         if telemetry_every is not None:
             telemetry_every = count("telemetry_every", telemetry_every)
         listed = step_set("steps", steps)
-        if isinstance(telemetry_groups, str | bytes):
-            raise ArgumentTypeError(
-                f"telemetry_groups must be a list of regular expressions, got {telemetry_groups!r}"
-            )
-        groups = tuple(telemetry_groups)
+        groups = patterns("telemetry_groups", telemetry_groups)
         finalize_timeout_s = seconds("finalize_timeout_s", finalize_timeout_s)
         max_dump_s = seconds("max_dump_s", max_dump_s)
         if agree_timeout_s is not None:
             agree_timeout_s = seconds("agree_timeout_s", agree_timeout_s)
         logged_rtol = tolerance("logged_rtol", logged_rtol)
         self.norm_type = check_norm_type(norm_type)
+        _check_coords(coords, mesh)
         self._gradients = Gradients(model, optimizer, grad_attr, distributed_optimizer)
         self.grad_attr = self._gradients.grad_attr
         self.distributed_optimizer = self._gradients.distributed_optimizer

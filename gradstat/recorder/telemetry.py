@@ -241,7 +241,7 @@ class Telemetry:
     def _slot_name(self, name: str) -> str:
         for pattern in self.patterns:
             found = pattern.search(name)
-            if found:
+            if found and found.group(0):  # an empty match names no group
                 return found.group(0)
         return name
 

@@ -41,9 +41,13 @@ def check_coords(coords: Mapping[str, Sequence[int]]) -> dict[str, tuple[int, in
         raise ValueError(f"coords: unknown axis {unknown[0]!r}; axes are {', '.join(AXES)}")
     checked = {}
     for axis in AXES:
-        place = tuple(int(value) for value in coords.get(axis, (0, 1)))
+        given = coords.get(axis, (0, 1))
+        try:
+            place = tuple(int(value) for value in given)
+        except (TypeError, ValueError):
+            place = ()
         if len(place) != 2 or not 0 <= place[0] < place[1]:
-            raise ValueError(f"coords[{axis!r}] is {place}; expected [rank_on_axis, axis_size]")
+            raise ValueError(f"coords[{axis!r}] is {given!r}; expected [rank_on_axis, axis_size]")
         checked[axis] = (place[0], place[1])
     return checked
 
