@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -469,7 +470,8 @@ def _native_grads(parameters: _Params, group: Any, what: str) -> _NativeGrads:
     items = _as_list(parameters)
     try:
         check_stats_group(group, what)
-        grads, tensor_parallel, zeros_of, place_of = [], [], [], {}
+        grads, tensor_parallel, zeros_of = [], [], []
+        place_of: dict[int, deque[int]] = defaultdict(deque)
         for index, item in enumerate(items):
             if item is None or is_parameter(item):
                 grad = None if item is None else _read_grad(item)
@@ -486,7 +488,7 @@ def _native_grads(parameters: _Params, group: Any, what: str) -> _NativeGrads:
                 continue
             label = _label(what, index, grad, of_parameter=grad is not item)
             values, zeros = readable_values(grad, label)
-            place_of[id(values)] = index
+            place_of[id(values)].append(index)  # a tensor listed twice has two places
             grads.append(values)
             zeros_of.append(zeros)
             tensor_parallel.append(bool(getattr(item, "tensor_model_parallel", False)))
@@ -501,7 +503,7 @@ def _native_grads(parameters: _Params, group: Any, what: str) -> _NativeGrads:
             shards = [shard for bucket in meshes for shard in bucket.shards]
             zeros_by_id = {id(grad): zeros for grad, zeros in zip(grads, zeros_of, strict=True)}
             implicit = [zeros_by_id[id(grad)] for grad in plain]
-        places = [place_of[id(grad)] for grad in plain]
+        places = [place_of[id(grad)].popleft() for grad in plain]  # plain keeps the list's order
     except GradstatError as error:
         plain, shards, implicit, places, lacking, problem = [], [], [], [], [], error
     if problem is not None and not _distributed():
@@ -608,11 +610,14 @@ def total_norm(
     list, a gradient None on one rank only) and returns the same number: one all-reduce serves
     the DTensors of every mesh in the job; the plain gradients' statistic (summed over
     ``group`` when given) is the largest rank's, replicas being equal (a rank lacking one takes
-    its replica's value).
+    its replica's value). Without ``group``, ranks whose lists (of one length) lack different
+    gradients count their union: each place's largest over the ranks
+    (:mod:`gradstat.core.replicas`); with ``group``, or lists of other lengths, the largest
+    rank's stands (a :class:`~gradstat.errors.ReplicaWarning` says so for the latter).
 
     Args:
         parameters: parameters (their ``.grad``; those without one are skipped) or gradient
-            tensors, in any mix of meshes.
+            tensors, in any mix of meshes; None stands for a parameter without a gradient.
         norm_type: 2, 1, ``math.inf`` or any finite p > 0.
         group: ranks that hold different plain gradients, such as pipeline stages: their
             statistics are summed too. None: plain gradients are replicas.

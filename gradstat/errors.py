@@ -80,3 +80,9 @@ class NativeKernelWarning(UserWarning):
 class DumpWarning(UserWarning):
     """Something a dump's files suggest but cannot prove (a Megatron wgrads dump whose shapes
     say another TP size than its files)."""
+
+
+class ReplicaWarning(UserWarning):
+    """Data-parallel replicas that cannot be matched: ranks whose lists lack different
+    gradients and differ in length (see :mod:`gradstat.core.replicas`); each rank's statistic
+    then stands for a replica's, the largest taken."""

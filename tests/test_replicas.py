@@ -13,6 +13,7 @@ Expected values are float64 sums over the gradients written here, never gradstat
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -72,11 +73,38 @@ def _lacking(rank: int, _world_size: int, case: str) -> dict[str, Any]:
     }
 
 
+def _listed_twice(rank: int, _world_size: int, _arg: Any) -> list[float]:
+    """A parameter listed twice counts twice, whichever gradients the other rank lacks."""
+    model = _model()
+    for name, param in model.named_parameters():
+        lacking = (rank == 0 and name == "1.weight") or (rank == 1 and name == "1.bias")
+        param.grad = None if lacking else _grad_of(name, param.shape)
+    params = list(model.parameters())
+    return [gradstat.total_norm([params[0], *params], p) for p in _PS]
+
+
+def _lengths_differ(rank: int, _world_size: int, _arg: Any) -> tuple[float, list[str]]:
+    """Rank 0 passes three parameters (one without a gradient), rank 1 two."""
+    import warnings
+
+    from gradstat.errors import ReplicaWarning
+
+    model = _model()
+    for name, param in model.named_parameters():
+        param.grad = None if rank == 0 and name == "0.weight" else _grad_of(name, param.shape)
+    params = list(model.parameters())[: 3 if rank == 0 else 2]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        norm = gradstat.total_norm(params)
+    return norm, [str(w.message) for w in caught if issubclass(w.category, ReplicaWarning)]
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Any:
     root = tmp_path_factory.mktemp("replicas")
     (root / "run").mkdir()
     cases = [Case(case, _lacking, case) for case in _LACKING]
+    cases += [Case("listed twice", _listed_twice), Case("lengths differ", _lengths_differ)]
     cases += [
         Case("nan on rank 1", _recorded, ("nan", str(root / "nan"))),
         Case("spike on rank 1", _recorded, ("spike", str(root / "spike"))),
@@ -104,6 +132,34 @@ def test_replicas_that_lack_different_gradients_count_their_union(
         for key in ("norms", "norms of gradients"):
             assert all(map(_close, found[key], expected)), (case, key, found[key], expected)
         assert found["zeros"] == zeros, case
+
+
+def test_a_parameter_listed_twice_counts_twice_when_replicas_lack_different_gradients(
+    two_ranks: Any,
+) -> None:
+    _, report = two_ranks
+    model = _model()
+    grads = [_grad_of(name, param.shape) for name, param in model.named_parameters()]
+    expected = [_oracle([grads[0], *grads], p) for p in _PS]
+    for found in report.values("listed twice"):
+        assert all(map(_close, found, expected)), (found, expected)
+
+
+def test_lists_of_other_lengths_that_lack_gradients_say_they_cannot_be_matched(
+    two_ranks: Any,
+) -> None:
+    """The largest rank's total stands (rank 1's two gradients against rank 0's two of three),
+    and rank 0 says so in one warning."""
+    _, report = two_ranks
+    model = _model()
+    grads = {name: _grad_of(name, param.shape) for name, param in model.named_parameters()}
+    largest = max(
+        _oracle([grads["0.bias"], grads["1.weight"]], 2.0),
+        _oracle([grads["0.weight"], grads["0.bias"]], 2.0),
+    )
+    (norm0, said0), (norm1, said1) = report.values("lengths differ")
+    assert _close(norm0, largest) and _close(norm1, largest)
+    assert len(said0) == 1 and "lists of 2 to 3 items" in said0[0] and said1 == []
 
 
 def _recorded(rank: int, _world_size: int, arg: tuple[str, str]) -> dict[str, Any]:
@@ -135,7 +191,9 @@ def _recorded(rank: int, _world_size: int, arg: tuple[str, str]) -> dict[str, An
             model.get_parameter(lacking).grad = None
         recorder.step(step)
     recorder.wait()
+    assert recorder.params is not None
     return {
+        "rows": recorder.params.total(),
         "norms": [record.norm for record in recorder.records],
         "triggers": [list(record.triggers) for record in recorder.records],
         "passes": passes,
@@ -178,3 +236,80 @@ def test_the_recorder_counts_the_union_when_replicas_lack_different_gradients(
     union = [_grad_of(name, param.shape) * 5 for name, param in model.named_parameters()]
     for found in report.values("recorder apart"):
         assert _close(found["norms"][4], _oracle(union, 2.0)), found["norms"]
+        assert _close(found["rows"], _oracle(union, 2.0)), "the rows count the union too"
+
+
+# --- a snapshot of such a job: gradstat norm counts the first replica holding each gradient --
+
+# tp2 x dp4 (dense: rank = tp + 2 dp), experts ep2 x edp4 over the same ranks (ep = tp).
+_TP, _DP = 2, 4
+# (tp, dp): the parameters whose gradient that rank lacks.
+_SNAPSHOT_LACKING = {
+    (0, 0): {"w", "b", "experts.w"},
+    (0, 1): {"b"},
+    (1, 0): {"w"},
+    (1, 1): {"experts.w"},
+    (1, 2): {"experts.w"},
+}
+
+
+def _full(name: str, shape: tuple[int, ...], salt: int) -> torch.Tensor:
+    values = torch.arange(1, math.prod(shape) + 1, dtype=torch.float32) * (salt + 1) / 3
+    values[1] = 0.0
+    return values.reshape(shape)
+
+
+def _snapshot_grads(tp: int) -> dict[str, tuple[torch.Tensor, dict[str, Any]]]:
+    """A TP rank's gradients (every data-parallel replica holds the same) and attributes."""
+    weight = _full("w", (4, 3), 0).chunk(_TP)[tp]
+    return {
+        "w": (weight, {"tensor_model_parallel": True, "partition_dim": 0}),
+        "b": (_full("b", (3,), 1), {}),
+        "experts.w": (_full("experts.w", (2, 2), 2 + tp), {"allreduce": False}),
+        "frozen": (_full("frozen", (2,), 9), {}),
+    }
+
+
+def _dump_lacking_replicas(directory: Path) -> None:
+    from gradstat.snapshot import save_rank
+    from tests._params import param_with
+
+    for rank in range(_TP * _DP):
+        tp, dp = rank % _TP, rank // _TP
+        lacking = _SNAPSHOT_LACKING.get((tp, dp), set()) | {"frozen"}
+        pairs = [
+            (name, param_with(None if name in lacking else grad, **attrs))
+            for name, (grad, attrs) in _snapshot_grads(tp).items()
+        ]
+        coords = {"tp": [tp, _TP], "dp": [dp, _DP], "ep": [tp, _TP], "edp": [dp, _DP]}
+        save_rank(directory, pairs, rank=rank, world_size=_TP * _DP, coords=coords)
+
+
+@pytest.mark.parametrize("processes", [None, 3])
+def test_a_snapshot_counts_the_first_replica_that_holds_each_gradient(
+    tmp_path: Path, processes: int | None
+) -> None:
+    """Rank 0 lacks three gradients other replicas hold: one process and three under torchrun
+    count each once, at the first replica holding it; a gradient no replica holds is none."""
+    import json
+
+    from tests._cli import run_gradstat
+
+    _dump_lacking_replicas(tmp_path)
+    union = {
+        "w": _full("w", (4, 3), 0),
+        "b": _full("b", (3,), 1),
+        "experts.w": torch.cat([_full("experts.w", (2, 2), 2 + tp) for tp in range(_TP)]),
+    }
+    norm = run_gradstat("norm", tmp_path, "--json", nproc=processes, timeout=240)
+    zeros = run_gradstat("zeros", tmp_path, "--json", nproc=processes, timeout=240)
+    assert norm.returncode == 0 and zeros.returncode == 0, norm.stderr + zeros.stderr
+    found = json.loads(norm.stdout)
+    assert _close(found["total_norm"], _oracle(list(union.values()), 2.0)), found["total_norm"]
+    by_name = {row["name"]: row for row in found["params"]}
+    assert set(by_name) == set(union), sorted(by_name)
+    for name, grad in union.items():
+        assert _close(by_name[name]["norm"], _oracle([grad], 2.0)), name
+    counted = json.loads(zeros.stdout)
+    assert counted["num_zeros"] == sum(int((grad == 0).sum()) for grad in union.values())
+    assert counted["num_elements"] == sum(grad.numel() for grad in union.values())

@@ -78,7 +78,7 @@ def reasons_not_counted(rank_file: RankFile, param: RebuiltParam) -> tuple[str, 
         found.append("etp_duplicate" if record.is_expert else "tp_duplicate")
     if not param_is_not_gtp_duplicate(param, gtp, egtp):
         found.append("gtp_duplicate")
-    if rank_file.header.distributed_optimizer:
+    if rank_file.header.distributed_optimizer or record.name in rank_file.header.stand_ins:
         return tuple(found)
     coords = rank_file.header.coords
     if record.is_expert:

@@ -181,9 +181,10 @@ def counts(rank_file: Placed, param: RebuiltParam) -> bool:
     # The core's filters, as grads_for_norm applies them (the gradient is not looked up).
     if not param_is_unique(param, *rank_file.filter_places):
         return False
-    if rank_file.header.distributed_optimizer:
+    header = rank_file.header
+    if header.distributed_optimizer or record.name in header.stand_ins:
         return True
-    coords = rank_file.header.coords
+    coords = header.coords
     if record.is_expert:
         return coords["edp"][0] == 0
     return coords["dp"][0] == 0 and coords["cp"][0] == 0

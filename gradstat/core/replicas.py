@@ -17,6 +17,7 @@ reduce one row per place.
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from gradstat.core.groups import all_reduce
+from gradstat.errors import ReplicaWarning
 
 __all__ = ["lacked_differently", "lacking_digest", "per_place"]
 
@@ -52,7 +54,19 @@ def lacked_differently(length: int, lacking: Sequence[int], device: torch.device
     top, low, digest_top, digest_low = all_reduce(
         torch.tensor(found, dtype=torch.float64, device=device), dist.ReduceOp.MAX, None
     ).tolist()
-    return bool(top == -low and digest_top != -digest_low)
+    if top != -low:
+        if dist.get_rank() == 0:
+            warnings.warn(
+                ReplicaWarning(
+                    f"gradstat: the ranks pass lists of {-low:.0f} to {top:.0f} items and some "
+                    "lack gradients, so their replicas cannot be matched by place: the largest "
+                    "rank's statistic is taken; pass the same parameters on every rank (group= "
+                    "for pipeline stages)"
+                ),
+                stacklevel=2,
+            )
+        return False
+    return bool(digest_top != -digest_low)
 
 
 def per_place(

@@ -30,7 +30,7 @@ import hashlib
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,7 @@ from gradstat.recorder.model import Gradients
 from gradstat.snapshot.capture import rank_coords
 from gradstat.snapshot.format import RankHeader
 from gradstat.snapshot.reader import RebuiltParam, filter_places_of
+from gradstat.snapshot.stand_ins import lacking, with_stand_ins
 from gradstat.snapshot.writer import check_coords, param_record
 
 __all__ = ["Layout", "NativeTotal", "ParamsAtStep", "Telemetry"]
@@ -245,12 +246,12 @@ class Telemetry:
                 return found.group(0)
         return name
 
-    def _describe(self, items: Sequence[Any]) -> _Local:
-        """This rank's records, what it counts of them, and its slot names."""
+    def _header(self) -> RankHeader:
+        """This rank's header as its rank file would hold it."""
         pairs = self.gradients.dumped_pairs()
         rank, world_size, coords = rank_coords(self.coords, self.mesh)
         records = [param_record(name, item, self.gradients.grad_attr)[0] for name, item in pairs]
-        header = RankHeader(
+        return RankHeader(
             rank=rank,
             world_size=world_size,
             step=None,
@@ -259,6 +260,10 @@ class Telemetry:
             grad_attr=self.gradients.grad_attr,
             params=tuple(records),
         )
+
+    def _describe(self, items: Sequence[Any], header: RankHeader) -> _Local:
+        """What this rank counts of its records (``header``'s), and its slot names."""
+        records = header.params
         live = _LiveRank(header, self.directory)
         names: dict[str, bool] = {}
         counted = []
@@ -291,8 +296,27 @@ class Telemetry:
 
     def agree(self, items: Sequence[Any]) -> None:
         """Agree on the names (a collective: every rank calls, when any rank changed)."""
+        header: RankHeader | None = None
         try:
-            local = self._describe(items)
+            header = self._header()
+        except Exception as error:  # every rank still joins the agreements below
+            failure: Exception | None = error
+        else:
+            failure = None
+        # A replica counts what a lower one lacks (gradstat.snapshot.stand_ins): every rank's
+        # records without a gradient decide it, as they decide it in a snapshot.
+        mine = None if header is None else (replace(header, params=()), lacking(header))
+        everyone = [mine]
+        if ready() and dist.get_world_size() > 1:
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine, group=self.group)
+        try:
+            if failure is not None:
+                raise failure
+            assert header is not None
+            known = [found for found in everyone if found is not None]
+            (live,) = with_stand_ins([_LiveRank(header, self.directory)], known)
+            local = self._describe(items, live.header)
         except Exception as error:  # every rank still joins the agreement below
             local = self._undescribed(items, error)
         self._local = local

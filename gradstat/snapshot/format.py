@@ -264,6 +264,9 @@ class RankHeader:
     version: int = FORMAT_VERSION
     # Why the snapshot was taken, when a flight recorder took it ("nonfinite", "spike", ...).
     triggers: tuple[str, ...] = ()
+    # Worked out when the snapshot is opened, never written: the parameters this file counts
+    # for a lower replica that holds no gradient (see gradstat.snapshot.stand_ins).
+    stand_ins: frozenset[str] = frozenset()
 
     def to_json(self) -> str:
         document: dict[str, Any] = {

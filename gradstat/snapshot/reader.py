@@ -38,6 +38,7 @@ from gradstat.snapshot.format import (
     parse_header,
 )
 from gradstat.snapshot.repeats import KnownParams
+from gradstat.snapshot.stand_ins import Lacking, lacking, with_stand_ins
 
 if TYPE_CHECKING:
     from gradstat.snapshot.wgrads import Source, WgradsOptions
@@ -199,6 +200,7 @@ class FileSummary:
     name: str  # the path is made when asked for: an error, a report (2.4 us a file)
     size_bytes: int
     header: RankHeader
+    lacking: Lacking = ()  # its records without a gradient (see gradstat.snapshot.stand_ins)
 
     @property
     def path(self) -> Path:
@@ -212,7 +214,7 @@ class FileSummary:
     def of(cls, rank_file: RankFile) -> FileSummary:
         path = rank_file.path
         header = replace(rank_file.header, params=())
-        return cls(path.parent, path.name, rank_file.size_bytes, header)
+        return cls(path.parent, path.name, rank_file.size_bytes, header, lacking(rank_file.header))
 
     @staticmethod
     def to_columns(files: Sequence[RankFile | FileSummary]) -> list[list[Any]]:
@@ -227,6 +229,7 @@ class FileSummary:
             [file.size_bytes for file in files],
             *([getattr(header, key) for header in headers] for key in _SUMMARY_FIELDS),
             [[header.coords[axis] for axis in AXES] for header in headers],
+            [_lacking_of(file) for file in files],
         ]
 
     @classmethod
@@ -235,13 +238,18 @@ class FileSummary:
         (they are not parsed again: a rank file's header costs more to parse than its data to
         reduce)."""
         summaries = []
-        for name, size, *fields, places in zip(*columns, strict=True):
+        for name, size, *fields, places, missing in zip(*columns, strict=True):
             values = dict(zip(_SUMMARY_FIELDS, fields, strict=True))
             values["triggers"] = tuple(values["triggers"])
             coords = dict(zip(AXES, map(tuple, places), strict=True))
             header = RankHeader(**values, coords=coords, params=())
-            summaries.append(cls(folder, name, size, header))
+            without = tuple((str(record), bool(expert)) for record, expert in missing)
+            summaries.append(cls(folder, name, size, header, without))
         return summaries
+
+
+def _lacking_of(file: RankFile | FileSummary) -> Lacking:
+    return file.lacking if isinstance(file, FileSummary) else lacking(file.header)
 
 
 # The header fields of a summary's columns, in order (see FileSummary.to_columns).
@@ -322,6 +330,7 @@ class Snapshot(_Described):
         else:
             files = list(open_rank_files(folder, names))
         _check_whole(folder, files)
+        files = with_stand_ins(files, [(file.header, lacking(file.header)) for file in files])
         return cls(folder, tuple(sorted(files, key=lambda file: file.rank)))
 
 
@@ -348,6 +357,8 @@ class SnapshotShare(_Described):
             SnapshotError: as :meth:`Snapshot.open` raises it for the whole.
         """
         _check_whole(directory, sorted(summaries, key=operator.attrgetter("name")))
+        everyone = [(summary.header, summary.lacking) for summary in summaries]
+        files = with_stand_ins(files, everyone)
         return cls(
             directory,
             tuple(sorted(files, key=lambda file: file.rank)),
