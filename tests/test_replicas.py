@@ -194,6 +194,7 @@ def _recorded(rank: int, _world_size: int, arg: tuple[str, str]) -> dict[str, An
     assert recorder.params is not None
     return {
         "rows": recorder.params.total(),
+        "row nan": dict(zip(recorder.params.layout.names, recorder.params.nan, strict=True)),
         "norms": [record.norm for record in recorder.records],
         "triggers": [list(record.triggers) for record in recorder.records],
         "passes": passes,
@@ -216,6 +217,28 @@ def test_a_nan_on_one_replica_is_every_steps_norm_and_fires_nonfinite(two_ranks:
         assert all(_close(norms[index], _replica_norms(index + 1, False)) for index in (0, 1))
         assert all(math.isnan(norm) for norm in norms[2:]), norms
         assert found["triggers"][2:] == [["nonfinite"]] * 3, found["triggers"]
+        # The rows name the parameter, though they count rank 0's copy.
+        assert found["row nan"] == {"0.weight": 1, "0.bias": 0, "1.weight": 0, "1.bias": 0}
+
+
+def test_a_snapshot_taken_for_a_nan_on_an_uncounted_replica_says_so(two_ranks: Any) -> None:
+    """gradstat norm counts data-parallel rank 0's copy, which is finite: it says the NaN is in
+    a copy it does not count, exit status 1, where it printed a finite norm with status 0."""
+    import json
+
+    from gradstat.recorder import complete_snapshots
+    from tests._cli import run_gradstat
+
+    root, _ = two_ranks
+    (step, snapshot), *_ = complete_snapshots(root / "nan")
+    assert step == 3
+    done = run_gradstat("norm", snapshot, "--json")
+    assert done.returncode == 1, done.stderr
+    report = json.loads(done.stdout)
+    assert report["nonfinite_not_counted"] is True and report["nonfinite"] == []
+    assert _close(report["total_norm"], _replica_norms(3, False))
+    text = run_gradstat("norm", snapshot)
+    assert text.returncode == 1 and "yet every counted copy is finite" in text.stdout
 
 
 def test_a_spike_on_one_replica_is_the_norm_and_one_pass_serves(two_ranks: Any) -> None:

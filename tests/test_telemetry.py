@@ -362,6 +362,22 @@ def test_a_nan_logged_for_a_nan_norm_agrees(tmp_path: Path) -> None:
     assert recorder.records[-1].triggers == ("nonfinite",)
 
 
+def test_a_nan_logged_for_a_finite_norm_is_said_plainly(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No "nanx the exact norm": a ratio of a NaN is no ratio."""
+    model = torch.nn.Linear(2, 2)
+    recorder = gradstat.Recorder(model, tmp_path, spike=None)
+    model(torch.ones(1, 2)).sum().backward()
+    norm = recorder.step(1, logged_norm=math.nan)
+    recorder.wait()
+    assert recorder.records[-1].triggers == ("mismatch",)
+    lines = [line for line in caplog.messages if "step 1: the logged" in line]
+    assert lines[0] == (
+        f"gradstat recorder: step 1: the logged norm is nan, the exact norm {norm:.9g}"
+    ), lines
+
+
 def _log_logged_norms(directory: Path, logged: list[Any]) -> None:
     """A recorder's run over one gradient whose job logged ``logged[i]`` at step i + 1."""
     model = torch.nn.Linear(2, 2)

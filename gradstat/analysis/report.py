@@ -183,10 +183,22 @@ class NormReport:
         before the backward pass, or after zero_grad, rather than a model with no gradient."""
         return self.total_norm == 0.0
 
+    @property
+    def nonfinite_not_counted(self) -> bool:
+        """The flight recorder took the snapshot for a non-finite norm, yet every counted copy
+        is finite: a copy the norm does not count holds the NaN or Inf (another data-parallel
+        replica: the recorder's norm takes every replica's; ``gradstat audit`` names it)."""
+        return (
+            "nonfinite" in self.snapshot.triggers
+            and not self.nonfinite
+            and math.isfinite(self.total_norm)
+        )
+
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["norm_type"] = json_number(self.norm_type)
         data["all_zero"] = self.all_zero
+        data["nonfinite_not_counted"] = self.nonfinite_not_counted
         _drop_unasked(data)
         return dict(jsonable(data))
 

@@ -704,7 +704,7 @@ def norm(
     shown = top if as_json else (top or 20)
     report = norm_report(snapshot, stats, p, max_norm, shown, per_expert)
     _emit(as_json, report.to_json(), lambda console: print_norm(console, report))
-    if report.nonfinite or report.all_zero:
+    if report.nonfinite or report.all_zero or report.nonfinite_not_counted:
         raise typer.Exit(EXIT_FINDINGS)
 
 

@@ -139,6 +139,13 @@ ALL_ZERO = (
 )
 
 
+NONFINITE_NOT_COUNTED = (
+    "[bold red]taken for a non-finite norm, yet every counted copy is finite[/]: a copy the "
+    "norm does not count (another data-parallel replica) holds the NaN or Inf; gradstat audit "
+    "names it"
+)
+
+
 def _header(console: Console, info: SnapshotInfo) -> None:
     """The snapshot's line: its ranks, what kind of gradients, its step, what took it.
 
@@ -208,6 +215,8 @@ def print_norm(console: Console, report: NormReport) -> None:
         for item in report.nonfinite:
             found.add_row(str(item.rank), _shown(item.name), str(item.nan), str(item.inf))
         _print_table(console, found)
+    if report.nonfinite_not_counted:
+        console.print(NONFINITE_NOT_COUNTED)
     if report.all_zero:
         console.print(ALL_ZERO)
 

@@ -447,6 +447,8 @@ class Recorder:
         assert logged is not None
         if not self._triggers.disagrees(norm, logged):
             return False, ""
+        if not (math.isfinite(logged) and math.isfinite(norm)):
+            return True, f"the logged norm is {logged:.9g}, the exact norm {norm:.9g}"
         ratio = logged / norm if norm else math.inf
         return True, (
             f"the logged norm {logged:.9g} is {ratio:.6g}x the exact norm {norm:.9g} "

@@ -393,7 +393,29 @@ class Telemetry:
             in_range=not (outsized or out_of_range),
             lacking_differs=digest != -negated,
         )
-        return self._result(summed, maxed[:width], scales)
+        copies = None
+        if nan or inf:  # decided from reduced values: every rank joins, or none
+            copies = self._reduced(self._copies_nonfinite(local, items), dist.ReduceOp.MAX)
+        return self._result(summed, maxed[:width], scales, copies)
+
+    def _copies_nonfinite(self, local: _Local, items: Sequence[Any]) -> list[float]:
+        """Per agreed name, the NaN and then the Inf elements of this rank's uncounted copies
+        of it (another replica's, a TP copy's): a step whose norm went non-finite on a copy the
+        rows do not count names its parameter. Zeros where this rank cannot tell."""
+        width = len(self.layout.names)
+        found = [0.0] * (2 * width)
+        try:
+            for position in local.uncounted:
+                held = self.gradients.gradient(items[position])
+                slot = self._slot.get(self._slot_name(local.live.header.params[position].name))
+                if held is None or slot is None:
+                    continue
+                values = readable_values(to_local(held), f"gradient {position}")[0]
+                found[slot] = max(found[slot], float(values.isnan().sum()))
+                found[width + slot] = max(found[width + slot], float(values.isinf().sum()))
+        except Exception as error:  # every rank still joins the reduction
+            warn(f"per-parameter statistics: cannot read an uncounted copy ({error})")
+        return found
 
     def _add_local(
         self, local: _Local, items: Sequence[Any], sums: list[float], maxima: list[float]
@@ -483,13 +505,28 @@ class Telemetry:
         dist.all_reduce(reduced, op=op)
         return list(reduced.tolist())
 
-    def _result(self, summed: list[float], maxed: list[float], scales: list[float]) -> ParamsAtStep:
+    def _result(
+        self,
+        summed: list[float],
+        maxed: list[float],
+        scales: list[float],
+        copies: list[float] | None,
+    ) -> ParamsAtStep:
+        """The rows; ``copies``: the uncounted copies' NaN and Inf elements per name (their
+        most on one rank), which make a row's norm NaN or inf as they make the step's."""
         width = len(self.layout.names)
         columns = [summed[offset : width * _SUMS : _SUMS] for offset in range(_SUMS)]
         squares, zeros, nan, inf, numel = columns
+        if copies is not None:
+            nan = [max(pair) for pair in zip(nan, copies[:width], strict=True)]
+            inf = [max(pair) for pair in zip(inf, copies[width:], strict=True)]
         norms = tuple(
-            scale * math.sqrt(square) if elements > 0 or square > 0 else None
-            for square, elements, scale in zip(squares, numel, scales, strict=True)
+            (math.nan if bad else math.inf if infinite else scale * math.sqrt(square))
+            if elements > 0 or square > 0
+            else None
+            for square, elements, scale, bad, infinite in zip(
+                squares, numel, scales, nan, inf, strict=True
+            )
         )
         return ParamsAtStep(
             self.layout,
