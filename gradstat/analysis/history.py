@@ -6,14 +6,22 @@ Two sources, one result:
 - the flight recorder's telemetry log (``telemetry.gslog`` in the run directory,
   :mod:`gradstat.recorder.log`): every recorded step's norm, the norm the job logged, the
   triggers, and the per-parameter L2 norm, max |x|, zero, NaN and Inf counts. A step a resumed
-  run replayed keeps its latest record (the run as it went on). Every complete snapshot of the
-  directory is listed with the record that took it, an earlier attempt's too (the record names
-  it: its step and repeat index), so a replay never hides the snapshot a killed run took; one
-  whose record was lost (the job killed between the two) is read for its own numbers. Torn or
-  damaged records are skipped, one line each.
+  run replayed keeps its latest record (the run as it went on). The totals are of one norm
+  type, never mixed: the one asked for, else that of the latest attempt that recorded a step
+  in the range; the steps an attempt of a resumed run recorded with another norm type (and
+  no attempt with this one) are left out, one line naming them and the ``norm_type`` that
+  reads them. Every complete snapshot of the directory is listed with the record that took
+  it, an earlier attempt's too (the record names it: its step and repeat index), so a replay
+  never hides the snapshot a killed run took; one whose record was lost (the job killed
+  between the two) or holds another norm type is read for its own numbers, so a log with no
+  step in the range still lists its snapshots there. A snapshot that does not open (a rank
+  file cut short or missing) is skipped with one line. Torn or damaged records are skipped,
+  one line each, and so are the per-parameter statistics that the damage may have parted
+  from their layout record (their totals kept; :mod:`gradstat.recorder.log`).
 - the snapshots under a directory (the flight recorder's ``step-N``, a Megatron ``wgrads/``
-  folder, or any other), read one at a time in step order, each once; hidden ones
-  (``.step-*.partial``: being written, or left by a lost rank) are skipped.
+  folder, or any other), read one at a time in step order, each once, each its own row (a
+  step the flight recorder replayed has a row per snapshot); hidden ones (``.step-*.partial``:
+  being written, or left by a lost rank) are skipped.
 
 A parameter jumps at the first step where its norm is non-finite (or it holds a NaN or Inf),
 or more than ``factor`` times the median of its previous ``window`` finite norms, or its zero
@@ -41,6 +49,7 @@ from gradstat.errors import SnapshotError
 from gradstat.snapshot.reader import Snapshot, holds_rank_files
 
 if TYPE_CHECKING:
+    from gradstat.recorder.log import StartRecord
     from gradstat.snapshot.wgrads import WgradsOptions
 
 __all__ = [
@@ -151,8 +160,9 @@ class History:
     triggers: list[tuple[str, ...]] = field(default_factory=list)  # what took each snapshot
     # Each step's snapshot, if kept: the one its record took, else its latest on disk.
     paths: list[Path | None] = field(default_factory=list)
-    # Every complete snapshot, in step order (a replayed step's in the order written): a step
-    # may have several, from the attempts that ran it.
+    # Every complete snapshot that opens, in step order (a replayed step's in the order
+    # written): a step may have several, from the attempts that ran it, and one may have no
+    # row (its record lost, or of another norm type).
     snapshots: list[KeptSnapshot] = field(default_factory=list)
     params: dict[str, ParamSeries] = field(default_factory=dict)
     param_norm_type: float = 2.0  # the per-parameter norms' (the log's are L2)
@@ -266,7 +276,9 @@ def read_history(
         root: the run directory (the flight recorder's), or any directory of snapshots; a
             Megatron job's ``wgrads/`` folder (its ``iter_*`` dumps read with ``options``).
         norm_type: the norm of the snapshots' statistics (None: 2); a log holds its own (the
-            recorder's for the total, L2 per parameter) and refuses another.
+            recorder's for the total, L2 per parameter): this one picks the steps of the
+            attempts that recorded it (None: the latest attempt's), and refuses one that none
+            recorded.
         factor, window, zeros_change: what makes a jump (the module's docstring).
         since, until: only the steps from ``since`` to ``until`` (inclusive).
         source: "auto", "log" or "snapshots".
@@ -277,7 +289,8 @@ def read_history(
     Raises:
         SnapshotError: no log and no snapshots, no snapshot readable (the first named), two
             snapshots of the same step (but a step the flight recorder replayed: ``step-N``,
-            then ``step-N.1``, ...), a log asked for and absent.
+            then ``step-N.1``, ...), a log asked for and absent, a log with neither a step nor
+            a snapshot in the range.
     """
     from gradstat.recorder.log import LOG_NAME
 
@@ -338,7 +351,7 @@ def _from_snapshots(
             raise SnapshotError(f"{path}: step {step} is also the step of {earlier}")
     chosen = [entry for entry in opened if _within(entry[0], since, until)]
     if not chosen:
-        raise SnapshotError(f"{root}: no snapshot from step {since} to {until}")
+        raise SnapshotError(f"{root}: no snapshot{_span(since, until)}")
     history = History(norm_type, "snapshots", param_norm_type=norm_type, problems=skipped.lines)
     for done, (step, path, snapshot) in enumerate(chosen, 1):
         try:
@@ -384,19 +397,23 @@ def _from_log(
 ) -> History:
     from gradstat.recorder.log import read_log
 
-    damaged = _Problems(report)
-    latest: dict[int, Any] = {}  # step: its latest record (a replayed step's last one wins)
-    # (step, repeat): what the record that took that snapshot says of its step. Any attempt's:
-    # a replay without a trigger must not hide the snapshot a killed attempt took.
-    took: dict[tuple[int, int], tuple[float, int | None, tuple[str, ...]]] = {}
-    recorded_norm_type = None
+    problems = _Problems(report)
+    starts: list[StartRecord] = []
+    # norm type: step: that step's latest record of that norm type (a replay's last one wins).
+    latest: dict[float, dict[int, Any]] = {}
+    # (step, repeat): the norm type and what the latest record that took that snapshot says of
+    # its step. Any attempt's: a replay without a trigger must not hide a killed run's snapshot.
+    took: dict[tuple[int, int], tuple[float, float, int | None, tuple[str, ...]]] = {}
+    newest_in_range = newest = None  # the norm type of the latest record (in the range)
     size, told = log.stat().st_size, 0
-    for start, record in read_log(log, damaged):
-        recorded_norm_type = start.norm_type
+    for start, record in read_log(log, problems, starts.append):
+        newest = start.norm_type
         if _within(record.step, since, until):
-            latest[record.step] = record
+            newest_in_range = start.norm_type
+            latest.setdefault(start.norm_type, {})[record.step] = record
             if record.repeat >= 0:
                 took[record.step, record.repeat] = (
+                    start.norm_type,
                     record.norm,
                     _total_zeros(record),
                     _trigger_names(record.triggers),
@@ -406,43 +423,112 @@ def _from_log(
             on_progress(told, size, "bytes")
     if on_progress is not None:
         on_progress(size, size, "bytes")
-    if recorded_norm_type is None:
-        raise SnapshotError(f"{log}: no step recorded")
-    if norm_type is not None and norm_type != recorded_norm_type:
+    recorded = sorted({start.norm_type for start in starts})
+    if norm_type is not None and norm_type not in recorded:
+        logged = " and ".join(_p(value) for value in recorded)
         raise SnapshotError(
-            f"{log}: the recorder logged the {_p(recorded_norm_type)} norm (and L2 per "
-            f"parameter); -p {_p(norm_type)} needs the snapshots: --source snapshots"
+            f"{log}: the recorder logged the {logged} norm (and L2 per parameter); "
+            f"-p {_p(norm_type)} needs the snapshots: --source snapshots"
         )
-    if not latest:
-        raise SnapshotError(f"{log}: no step recorded from step {since} to {until}")
-    on_disk = _recorder_snapshots(root, since, until)
-    by_name = {(step, repeat): path for step, repeat, path in on_disk}
-    history = History(recorded_norm_type, "log", param_norm_type=2.0, problems=damaged.lines)
-    for step in sorted(latest):
-        record = latest[step]
-        path = by_name.get((step, record.repeat)) if record.repeat >= 0 else None
-        if path is None:  # an earlier attempt's snapshot of the step, the latest written
-            path = next((found for at, _, found in reversed(on_disk) if at == step), None)
+    asked = norm_type is not None
+    if norm_type is None:  # the latest attempt's: the run as it went on
+        norm_type = next(
+            value for value in (newest_in_range, newest, starts[-1].norm_type) if value is not None
+        )
+    chosen = latest.get(norm_type, {})
+    _report_left_out(log, latest, norm_type, asked, problems)
+    kept = _kept_snapshots(root, since, until, norm_type, took, problems)
+    if not chosen and not kept:
+        other = f" with the {_p(norm_type)} norm" if latest else ""
+        raise SnapshotError(f"{log}: no step recorded{other}{_span(since, until)}")
+    history = History(norm_type, "log", param_norm_type=2.0, problems=problems.lines)
+    history.snapshots = kept
+    by_step: dict[int, list[Path]] = {}
+    for snapshot in kept:
+        by_step.setdefault(snapshot.step, []).append(snapshot.path)
+    for step in sorted(chosen):
+        record = chosen[step]
+        at_step = by_step.get(step, [])
+        own = [path for path in at_step if _repeat_of(path, step) == record.repeat]
+        # Else an earlier attempt's snapshot of the step, the latest written.
+        path = own[0] if own else at_step[-1] if at_step else None
         history.steps.append(step)
         history.totals.append(record.norm)
         history.logged.append(record.logged)
         history.triggers.append(_trigger_names(record.triggers))
         history.paths.append(path)
         history.total_zeros.append(_add_params(history, record))
-    for step, repeat, path in on_disk:
-        if (step, repeat) in took:
-            history.snapshots.append(KeptSnapshot(path, step, *took[step, repeat]))
-            continue
-        # Its record was lost: the job was killed after the snapshot and before the log.
+    return history
+
+
+def _report_left_out(
+    log: Path,
+    latest: dict[float, dict[int, Any]],
+    norm_type: float,
+    asked: bool,
+    problems: _Problems,
+) -> None:
+    """One line for the steps an attempt recorded with another norm type than ``norm_type``
+    (and no attempt with it): a history never mixes the two."""
+    chosen = latest.get(norm_type, {})
+    left_out = sorted(
+        {step for other, records in latest.items() if other != norm_type for step in records}
+        - chosen.keys()
+    )
+    if not left_out:
+        return
+    others = sorted(other for other, records in latest.items() if other != norm_type and records)
+    names = " and ".join(_p(other) for other in others)
+    options = " or ".join(f"-p {_p(other)}" for other in others)
+    why = "the one asked for" if asked else "the latest attempt's"
+    problems(
+        f"{log}: left out {_count_steps(left_out)}, recorded with the {names} norm by another "
+        f"attempt: this history is of the {_p(norm_type)} norm ({why}); {options} reads them"
+    )
+
+
+def _kept_snapshots(
+    root: Path,
+    since: int | None,
+    until: int | None,
+    norm_type: float,
+    took: dict[tuple[int, int], tuple[float, float, int | None, tuple[str, ...]]],
+    problems: _Problems,
+) -> list[KeptSnapshot]:
+    """The run's complete snapshots from ``since`` to ``until`` that open, each with the
+    numbers of the record that took it; read for its own numbers where that record was lost
+    (the job killed between the two) or holds another norm type. An unreadable one (a rank
+    file cut short or missing) is skipped with one line."""
+    kept = []
+    for step, repeat, path in _recorder_snapshots(root, since, until):
         try:
             snapshot = Snapshot.open(path)
-            stats = snapshot_stats(snapshot, (recorded_norm_type,))
+            record = took.get((step, repeat))
+            if record is not None and record[0] == norm_type:
+                kept.append(KeptSnapshot(path, step, *record[1:]))
+                continue
+            stats = snapshot_stats(snapshot, (norm_type,))
         except SnapshotError as error:
-            damaged(f"{path}: skipped, unreadable: {error}")
+            problems(f"{path}: skipped, unreadable: {error}")
             continue
-        total, triggers = stats.norm(recorded_norm_type), snapshot.files[0].header.triggers
-        history.snapshots.append(KeptSnapshot(path, step, total, stats.zeros, triggers))
-    return history
+        total, triggers = stats.norm(norm_type), snapshot.files[0].header.triggers
+        kept.append(KeptSnapshot(path, step, total, stats.zeros, triggers))
+    return kept
+
+
+def _count_steps(steps: list[int]) -> str:
+    if len(steps) == 1:
+        return f"step {steps[0]}"
+    return f"{len(steps)} steps ({steps[0]} .. {steps[-1]})"
+
+
+def _span(since: int | None, until: int | None) -> str:
+    """`` from step 5 to 9``, `` from step 5 on``, `` up to step 9``, or nothing."""
+    if since is not None and until is not None:
+        return f" from step {since} to {until}"
+    if since is not None:
+        return f" from step {since} on"
+    return "" if until is None else f" up to step {until}"
 
 
 def _recorder_snapshots(

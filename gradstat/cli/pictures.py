@@ -217,7 +217,7 @@ def _mark_steps(history: History, axes: Axes) -> list[tuple[Any, str]]:
     """Vertical lines across the axes: snapshots (light), the mismatch trigger, and the steps
     whose total is NaN or Inf (a log axis has no place for them); their legend entries."""
     transform = axes.get_xaxis_transform()  # x in steps, y from the bottom (0) to the top (1)
-    snapshots = [history.steps[index] for index in history.snapshot_rows()]
+    snapshots = sorted({kept.step for kept in history.snapshots})
     mismatches = [
         step
         for step, triggers in zip(history.steps, history.triggers, strict=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -640,29 +641,49 @@ def sparkline(values: Iterable[float]) -> str:
     return "".join(chars)
 
 
-def _triggered(history: History) -> str:
+@dataclass(frozen=True)
+class _Taken:
+    """The kept snapshots in order, one entry each: its step and the triggers that took it."""
+
+    steps: list[int]
+    triggers: list[tuple[str, ...]]
+
+
+def _triggered(taken: _Taken) -> str:
     """Which snapshots each trigger took: ``every at 5, 10; spike at 9``. Three or more
     snapshots one after the other whose steps have one stride read ``1 .. 12`` (stride 1) or
-    ``5, 10 .. 60``."""
-    runs: dict[str, list[list[int]]] = {}
-    steps = history.steps
-    for index, triggers in enumerate(history.triggers):
+    ``5, 10 .. 60``; a step with several (a resumed run replayed it) ``4 (2 snapshots)``."""
+    # trigger: its runs, each a list of (step, snapshots at it, index of the last of them)
+    runs: dict[str, list[list[tuple[int, int, int]]]] = {}
+    steps = taken.steps
+    for index, triggers in enumerate(taken.triggers):
         for trigger in triggers:
             found = runs.setdefault(trigger, [])
             run = found[-1] if found else []
-            follows = bool(run) and run[-1] == index - 1
-            if follows and len(run) >= 2:
-                follows = steps[index] - steps[run[-1]] == steps[run[1]] - steps[run[0]]
+            follows = bool(run) and run[-1][2] == index - 1
+            if follows and run[-1][0] == steps[index]:  # the same step again
+                step, count, _ = run.pop()
+                if run:  # a step of several snapshots stands alone
+                    found.append([])
+                    run = found[-1]
+                run.append((step, count + 1, index))
+                continue
             if follows:
-                run.append(index)
+                follows = run[-1][1] == 1 and (
+                    len(run) < 2 or steps[index] - run[-1][0] == run[1][0] - run[0][0]
+                )
+            if follows:
+                run.append((steps[index], 1, index))
             else:
-                found.append([index])
+                found.append([(steps[index], 1, index)])
 
-    def shown(run: list[int]) -> str:
-        at = [str(steps[index]) for index in run]
+    def shown(run: list[tuple[int, int, int]]) -> str:
+        if run[0][1] > 1:
+            return f"{run[0][0]} ({run[0][1]} snapshots)"
+        at = [str(step) for step, _, _ in run]
         if len(at) < 3:
             return ", ".join(at)
-        stride = steps[run[1]] - steps[run[0]]
+        stride = run[1][0] - run[0][0]
         return f"{at[0]} .. {at[-1]}" if stride == 1 else f"{at[0]}, {at[1]} .. {at[-1]}"
 
     return "; ".join(
@@ -677,15 +698,25 @@ def print_history(console: Console, history: History, top: int | None = 20) -> N
     totals = history.totals
     finite = [value for value in totals if math.isfinite(value)]
     span = f"{min(finite):.6g} .. {max(finite):.6g}" if finite else "no finite norm"
-    steps = f"steps {history.steps[0]} .. {history.steps[-1]}"
-    if history.source == "log":
-        kept = len(history.snapshots)
-        counted = f"{_count(len(history.steps), 'step')} in the log, {steps}"
-        counted += f", {_count(kept, 'snapshot')} kept"
+    kept = _count(len(history.snapshots), "snapshot")
+    if not history.steps:  # a log without a step in the range: its snapshots alone
+        console.print(f"no step in the log, {kept} kept")
+        for snapshot in history.snapshots:
+            console.print(
+                f"{_shown(snapshot.path.name)}: step {snapshot.step}, total norm "
+                f"{_number(snapshot.total_norm)}"
+            )
     else:
-        counted = f"{_count(len(history.steps), 'snapshot')}, {steps}"
-    console.print(f"{counted}; total norm ({span}): {sparkline(_sampled(totals))}")
-    triggered = _triggered(history)
+        steps = f"steps {history.steps[0]} .. {history.steps[-1]}"
+        if history.source == "log":
+            counted = f"{_count(len(history.steps), 'step')} in the log, {steps}, {kept} kept"
+        else:
+            counted = f"{_count(len(history.steps), 'snapshot')}, {steps}"
+        console.print(f"{counted}; total norm ({span}): {sparkline(_sampled(totals))}")
+    kept_snapshots = history.snapshots
+    triggered = _triggered(
+        _Taken([kept.step for kept in kept_snapshots], [kept.triggers for kept in kept_snapshots])
+    )
     if triggered:
         console.print(f"taken by the flight recorder's triggers: {_shown(triggered)}")
     mismatched = [
@@ -702,6 +733,8 @@ def print_history(console: Console, history: History, top: int | None = 20) -> N
         key=lambda series: -series.peak(),
     )
     rows = jumped + rest
+    if not rows:
+        return
     table = Table(title="per parameter, the first to jump first")
     table.add_column("parameter", no_wrap=True)
     for column in ("first jump", "first norm", "last norm", "norm over steps"):

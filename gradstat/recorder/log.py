@@ -28,6 +28,16 @@ NaN it logged; version 1 wrote a plain NaN for none); ``repeat`` is the snapshot
 :data:`~gradstat.recorder.triggers.TRIGGERS`. A start record of a version above
 ``FORMAT_VERSION`` (a newer gradstat's, perhaps one that resumed the run) stops the reader with
 one line naming the file and both versions: its records are not this layout's to guess at.
+
+A step record names no layout: its per-parameter statistics belong to the layout record read
+last. So when damaged bytes may have held a layout record (a damaged record whose intact head
+says it was one, or bytes whose head is unreadable), the per-parameter statistics of the step
+records that follow, up to the next intact layout or start record, are left out (their norm,
+logged norm and triggers kept), one line for them all: read with the layout before the damage,
+they would be put under another parameter's name. The writer writes the layout again after a
+failed write and each attempt starts with its own, so a torn record or a resume loses none.
+Likewise the step records after a damaged start record, up to the next intact one, are left
+out, one line: which attempt recorded them, with which norm type, is unknown.
 """
 
 from __future__ import annotations
@@ -259,6 +269,8 @@ class _Damage:
 def _parse_step(
     payload: bytes, start: StartRecord | None, layout: dict[str, Any] | None
 ) -> StepRecordData:
+    """A step record's data; ``layout`` None: its per-parameter statistics (checked, then)
+    are left out, the names they belong to being unknown."""
     step, norm, logged, triggers, repeat, count = _STEP.unpack_from(payload, 0)
     names: tuple[str, ...] = ()
     expert: tuple[bool, ...] = ()
@@ -268,13 +280,6 @@ def _parse_step(
     nan: dict[int, int] = {}
     inf: dict[int, int] = {}
     if count:
-        if layout is None or len(layout["names"]) != count:
-            raise ValueError(
-                f"step {step} holds {count} names and no layout of as many precedes it"
-            )
-        names, expert = tuple(layout["names"]), tuple(layout["expert"])
-        if layout.get("numel") is not None:
-            numel = tuple(int(value) for value in layout["numel"])
         offset = _STEP.size
         norms = array("d")
         norms.frombytes(payload[offset : offset + 8 * count])
@@ -299,6 +304,13 @@ def _parse_step(
                 inf[index] = inf_count
         if offset != len(payload):
             raise ValueError(f"step {step}: {len(payload) - offset} bytes left over")
+        if layout is None:
+            norms = peaks = zeros = None
+            nan, inf = {}, {}
+        else:
+            names, expert = tuple(layout["names"]), tuple(layout["expert"])
+            if layout.get("numel") is not None:
+                numel = tuple(int(value) for value in layout["numel"])
     return StepRecordData(
         attempt=start.attempt if start is not None else "",
         step=step,
@@ -326,10 +338,20 @@ def _logged(stored: bytes, version: int) -> float | None:
 
 
 def read_log(
-    path: Path, report: Callable[[str], None]
+    path: Path,
+    report: Callable[[str], None],
+    on_start: Callable[[StartRecord], None] | None = None,
 ) -> Iterator[tuple[StartRecord, StepRecordData]]:
     """The step records of a telemetry log in the order written, each with its attempt's start
-    record. Damaged or torn bytes are skipped, each run as one ``report`` line.
+    record. Damaged or torn bytes are skipped, each run as one ``report`` line; so are the
+    step records, or their per-parameter statistics, that damage leaves unattributable (the
+    module's docstring), one line for each stretch of them.
+
+    Args:
+        path: the log.
+        report: called with each line about what was skipped.
+        on_start: called with each intact start record as it is read (an attempt that
+            recorded no step has one too).
 
     Raises:
         SnapshotError: the file cannot be read, holds no start record of this format, or a
@@ -342,62 +364,145 @@ def read_log(
             if size == 0:
                 raise SnapshotError(f"{path}: an empty telemetry log")
             with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
-                yield from _records(data, size, damage, path)
+                yield from _records(data, size, damage, path, on_start)
     except OSError as error:
         raise SnapshotError(f"{path}: cannot read ({error.strerror or error})") from error
 
 
+class _Unattributed:
+    """The step records since damage that may have held their layout record (or their start
+    record): which they were, reported as one line when the stretch ends."""
+
+    def __init__(self, path: Path, report: Callable[[str], None], what: str) -> None:
+        self.path, self.report, self.what = path, report, what
+        self.reason: str | None = None  # why the stretch is open; None: no stretch
+        self.steps: list[int] = []
+
+    def begin(self, reason: str) -> None:
+        if self.reason is None:
+            self.reason = reason
+
+    def end(self) -> None:
+        if self.steps:
+            first, last = self.steps[0], self.steps[-1]
+            span = f"step {first}" if len(self.steps) == 1 else f"steps {first} .. {last}"
+            count = f"{len(self.steps)} step record{'s' if len(self.steps) != 1 else ''}"
+            self.report(f"{self.path}: {self.what.format(count=count, span=span)} {self.reason}")
+        self.reason, self.steps = None, []
+
+
 def _records(
-    data: mmap.mmap, size: int, damage: _Damage, path: Path
+    data: mmap.mmap,
+    size: int,
+    damage: _Damage,
+    path: Path,
+    on_start: Callable[[StartRecord], None] | None,
 ) -> Iterator[tuple[StartRecord, StepRecordData]]:
     start: StartRecord | None = None
+    started = False  # an intact start record was read
     layout: dict[str, Any] | None = None
+    rows_lost = _Unattributed(
+        path,
+        damage.report,
+        "left out the per-parameter statistics of {count} ({span}), their totals kept:",
+    )
+    orphans = _Unattributed(path, damage.report, "left out {count} ({span}):")
     offset = 0
     head_size = _HEAD.size + _CRC.size
     while offset < size:
         found = _frame_at(data, offset, size)
-        if isinstance(found, str):
+        if isinstance(found, _Unreadable):
             following = data.find(_MAGIC, offset + 1)
             end = size if following < 0 else following
-            damage(offset, end - offset, found)
+            damage(offset, end - offset, found.reason)
+            if found.kind is None:
+                rows_lost.begin(
+                    f"the layout record naming them may be among the damaged bytes at "
+                    f"offset {offset}"
+                )
+            elif found.kind == _LAYOUT:
+                rows_lost.begin(f"the layout record naming them, at offset {offset}, is damaged")
+            elif found.kind == _START:
+                orphans.begin(_LOST_START.format(offset=offset))
             offset = end
             continue
         kind, payload = found
         record_offset, offset = offset, offset + head_size + len(payload) + _CRC.size
         try:
             if kind == _START:
-                document = json.loads(payload)
-                if document.get("format") != FORMAT_NAME:
-                    raise ValueError(f"format {document.get('format')!r}")
-                version = _version(document["version"], path)
-                start = StartRecord(
-                    attempt=str(document["attempt"]),
-                    time_ns=int(document["time_ns"]),
-                    version=version,
-                    norm_type=float(document["norm_type"]),
-                    world_size=int(document["world_size"]),
-                    every=document["every"],
-                    groups=tuple(document["groups"]),
-                )
-                layout = None
+                start, layout = None, None
+                start = _parse_start(payload, path)
+                started = True
+                orphans.end()
+                rows_lost.end()
+                if on_start is not None:
+                    on_start(start)
             elif kind == _LAYOUT:
-                layout = json.loads(payload)
-                numel = layout.get("numel")
-                if len(layout["expert"]) != len(layout["names"]) or (
-                    numel is not None and len(numel) != len(layout["names"])
-                ):
-                    raise ValueError("a layout whose lists differ in length")
+                layout = None
+                layout = _parse_layout(payload)
+                rows_lost.end()
             elif kind == _STEP_KIND:
-                if start is None:
+                if start is None and orphans.reason is None:
                     raise ValueError("a step record before any start record")
-                record = _parse_step(payload, start, layout)
+                count = _STEP.unpack_from(payload, 0)[5]
+                usable = layout
+                if count and (usable is None or len(usable["names"]) != count):
+                    rows_lost.begin(f"no layout record of {count} names precedes them")
+                if rows_lost.reason is not None:
+                    usable = None
+                record = _parse_step(payload, start, usable)
+                if orphans.reason is not None:
+                    orphans.steps.append(record.step)
+                    continue
+                assert start is not None
+                if count and usable is None:
+                    rows_lost.steps.append(record.step)
                 yield start, dataclasses.replace(record, end_offset=offset)
             else:
                 raise ValueError(f"unknown record kind {kind}")
         except (ValueError, KeyError, TypeError, struct.error) as error:
             damage(record_offset, offset - record_offset, f"a record that does not parse: {error}")
-    if start is None:
+            if kind == _LAYOUT:
+                rows_lost.begin(
+                    f"the layout record naming them, at offset {record_offset}, is damaged"
+                )
+            elif kind == _START:
+                orphans.begin(_LOST_START.format(offset=record_offset))
+    orphans.end()
+    rows_lost.end()
+    if not started:
         raise SnapshotError(f"{path}: no start record of a {FORMAT_NAME} log")
+
+
+_LOST_START = (
+    "the start record before them, at offset {offset}, is damaged: which attempt recorded "
+    "them, with which norm type, is unknown"
+)
+
+
+def _parse_start(payload: bytes, path: Path) -> StartRecord:
+    document = json.loads(payload)
+    if document.get("format") != FORMAT_NAME:
+        raise ValueError(f"format {document.get('format')!r}")
+    return StartRecord(
+        attempt=str(document["attempt"]),
+        time_ns=int(document["time_ns"]),
+        version=_version(document["version"], path),
+        norm_type=float(document["norm_type"]),
+        world_size=int(document["world_size"]),
+        every=document["every"],
+        groups=tuple(document["groups"]),
+    )
+
+
+def _parse_layout(payload: bytes) -> dict[str, Any]:
+    layout: dict[str, Any] = json.loads(payload)
+    numel = layout.get("numel")
+    if len(layout["expert"]) != len(layout["names"]) or (
+        numel is not None and len(numel) != len(layout["names"])
+    ):
+        raise ValueError("a layout whose lists differ in length")
+    return layout
 
 
 def _version(stored: Any, path: Path) -> int:
@@ -419,26 +524,38 @@ def _version(stored: Any, path: Path) -> int:
     return version
 
 
-def _frame_at(data: mmap.mmap, offset: int, size: int) -> tuple[int, bytes] | str:
+@dataclass(frozen=True)
+class _Unreadable:
+    """Why there is no frame at an offset, and the kind of record that was there when its head
+    is intact (None: unknown)."""
+
+    reason: str
+    kind: int | None = None
+
+
+def _frame_at(data: mmap.mmap, offset: int, size: int) -> tuple[int, bytes] | _Unreadable:
     """The frame at ``offset`` as (kind, payload), or why there is none."""
     head_end = offset + _HEAD.size + _CRC.size
     if head_end > size:
-        return "a torn last record: the job stopped mid-write"
+        return _Unreadable("a torn last record: the job stopped mid-write")
     head = data[offset : offset + _HEAD.size]
     magic, kind, length = _HEAD.unpack(head)
     if magic != _MAGIC:
-        return "not a record's start"
+        return _Unreadable("not a record's start")
     (head_crc,) = _CRC.unpack(data[offset + _HEAD.size : head_end])
     if head_crc != zlib.crc32(head):
-        return "a record head whose checksum fails"
+        return _Unreadable("a record head whose checksum fails")
     end = head_end + length + _CRC.size
     # A record cut short, then followed by another run's records, holds the next one's start.
     torn = "a torn record: a job stopped mid-write and a later one appended after it"
     if end > size:
         inside = data.find(_MAGIC, head_end, size)
-        return "a torn last record: the job stopped mid-write" if inside < 0 else torn
+        return _Unreadable(
+            "a torn last record: the job stopped mid-write" if inside < 0 else torn, kind
+        )
     payload = data[head_end : head_end + length]
     (crc,) = _CRC.unpack(data[end - _CRC.size : end])
     if crc != zlib.crc32(payload):
-        return torn if data.find(_MAGIC, head_end, end) >= 0 else "a record whose checksum fails"
+        inside = data.find(_MAGIC, head_end, end) >= 0
+        return _Unreadable(torn if inside else "a record whose checksum fails", kind)
     return kind, payload
