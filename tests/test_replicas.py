@@ -99,12 +99,31 @@ def _lengths_differ(rank: int, _world_size: int, _arg: Any) -> tuple[float, list
     return norm, [str(w.message) for w in caught if issubclass(w.category, ReplicaWarning)]
 
 
+def _tp_coords_alone(rank: int, _world_size: int, directory: str) -> list[str]:
+    """``coords={"tp": ...}`` beside the data-parallel size found over the world (2) makes 4
+    places on 2 ranks: refused in one line by the recorder and dump_rank, not written."""
+    model = torch.nn.Linear(2, 2)
+    model.weight.grad = torch.ones(2, 2)
+    said = []
+    for make in (
+        lambda: gradstat.Recorder(model, directory, coords={"tp": [rank, 2]}),
+        lambda: gradstat.snapshot.dump_rank(directory, model, coords={"tp": [rank, 2]}),
+    ):
+        try:
+            make()
+        except (gradstat.GradstatError, ValueError) as error:
+            said.append(str(error))
+    gradstat.Recorder(model, f"{directory}/whole", coords={"tp": [rank, 2], "dp": [0, 1]})
+    return said
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Any:
     root = tmp_path_factory.mktemp("replicas")
     (root / "run").mkdir()
     cases = [Case(case, _lacking, case) for case in _LACKING]
     cases += [Case("listed twice", _listed_twice), Case("lengths differ", _lengths_differ)]
+    cases += [Case("tp coords", _tp_coords_alone, str(root / "tp"))]
     cases += [
         Case("nan on rank 1", _recorded, ("nan", str(root / "nan"))),
         Case("spike on rank 1", _recorded, ("spike", str(root / "spike"))),
@@ -336,3 +355,76 @@ def test_a_snapshot_counts_the_first_replica_that_holds_each_gradient(
     counted = json.loads(zeros.stdout)
     assert counted["num_zeros"] == sum(int((grad == 0).sum()) for grad in union.values())
     assert counted["num_elements"] == sum(grad.numel() for grad in union.values())
+
+
+def test_coordinates_that_describe_more_places_than_ranks_are_refused_before_any_write(
+    two_ranks: Any,
+) -> None:
+    root, report = two_ranks
+    for said in report.values("tp coords"):
+        assert len(said) == 2, said
+        assert all("describe 4 places" in line and "has 2 ranks" in line for line in said)
+        assert all("\n" not in line for line in said)
+    assert not (root / "tp").exists() or not list((root / "tp").glob("rank-*"))
+
+
+@pytest.mark.parametrize("processes", [None, 3])
+@pytest.mark.parametrize("rank_zero", ["lacks it", "lists it not"])
+def test_replicas_that_list_different_parameters_are_refused_in_one_line(
+    tmp_path: Path, processes: int | None, rank_zero: str
+) -> None:
+    """dp3: rank 1 lists no ``w`` at all, rank 2 holds it; rank 0 holds no gradient of it, or
+    lists it not either. Which copy counts is unknown: one line, exit 2, in one process and
+    under torchrun (rank 1 was taken for the holder, or rank 0's missing copy for the counted
+    one: norm 1 for sqrt(26))."""
+    from gradstat.snapshot import save_rank
+    from tests._cli import run_gradstat
+    from tests._params import param_with
+
+    for rank in range(3):
+        pairs = [("b", param_with(torch.ones(1)))]
+        if rank == 2 or (rank == 0 and rank_zero == "lacks it"):
+            pairs.append(("w", param_with(torch.tensor([3.0, 4.0]) if rank == 2 else None)))
+        save_rank(tmp_path, pairs, rank=rank, world_size=3, coords={"dp": [rank, 3]})
+    done = run_gradstat("norm", tmp_path, "--json", nproc=processes, timeout=240)
+    assert done.returncode != 0 and done.stdout == ""
+    lines = [line for line in done.stderr.splitlines() if line.startswith("gradstat")]
+    assert lines and "replicas" in lines[0] and "list different parameters" in lines[0], lines
+
+
+def test_inspect_describes_a_parameter_by_a_replica_that_holds_its_gradient(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 lacks three gradients other replicas hold: inspect says they have one (counted
+    elsewhere), and only the parameter no replica holds has none."""
+    import json
+
+    from tests._cli import run_gradstat
+
+    _dump_lacking_replicas(tmp_path)
+    done = run_gradstat("inspect", tmp_path, "--json")
+    assert done.returncode == 0, done.stderr
+    rows = {row["name"]: row for row in json.loads(done.stdout)["params"]}
+    assert {name: row["no_grad"] for name, row in rows.items()} == {
+        "w": False,
+        "b": False,
+        "experts.w": False,
+        "frozen": True,
+    }
+    assert rows["w"]["dtype"] == "float32" and rows["w"]["local_shape"] == [2, 3]
+
+
+def test_expert_copies_at_the_same_expert_coordinates_are_refused(tmp_path: Path) -> None:
+    """dp2 with experts and no edp given: each rank's expert copy sits at edp 0 and would be
+    counted twice (sqrt(50) for 5)."""
+    from gradstat.snapshot import save_rank
+    from tests._cli import run_gradstat
+    from tests._params import param_with
+
+    for rank in range(2):
+        expert = param_with(torch.tensor([3.0, 4.0]), allreduce=False)
+        pairs = [("b", param_with(torch.ones(1))), ("experts.w", expert)]
+        save_rank(tmp_path, pairs, rank=rank, world_size=2, coords={"dp": [rank, 2]})
+    done = run_gradstat("norm", tmp_path, "--json")
+    assert done.returncode == 2 and done.stdout == ""
+    assert "same expert coordinates" in done.stderr and "edp" in done.stderr

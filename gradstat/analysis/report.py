@@ -518,7 +518,10 @@ def inspect_report(snapshot: Snapshot) -> InspectReport:
             if source is not None:
                 where = f"{rank_file.path.name}:{source.chunk}/{source.local_name}"
                 sources.setdefault(record.name, []).append(where)
-            if record.name in rows:
+            known = rows.get(record.name)
+            # The first record with a gradient describes the parameter: a replica may hold
+            # the gradient its rank 0 copy lacks (it is counted there).
+            if known is not None and (not known.no_grad or not record.has_grad):
                 continue
             placements = None
             if origin == "dcp":

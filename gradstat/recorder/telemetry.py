@@ -51,7 +51,7 @@ from gradstat.recorder.model import Gradients
 from gradstat.snapshot.capture import rank_coords
 from gradstat.snapshot.format import RankHeader
 from gradstat.snapshot.reader import RebuiltParam, filter_places_of
-from gradstat.snapshot.stand_ins import lacking, with_stand_ins
+from gradstat.snapshot.stand_ins import listing, with_stand_ins
 from gradstat.snapshot.writer import check_coords, param_record
 
 __all__ = ["Layout", "NativeTotal", "ParamsAtStep", "Telemetry"]
@@ -305,7 +305,10 @@ class Telemetry:
             failure = None
         # A replica counts what a lower one lacks (gradstat.snapshot.stand_ins): every rank's
         # records without a gradient decide it, as they decide it in a snapshot.
-        mine = None if header is None else (replace(header, params=()), lacking(header))
+        mine = None
+        if header is not None:
+            found = listing(f"rank {header.rank}", header)
+            mine = found._replace(header=replace(header, params=()))
         everyone = [mine]
         if ready() and dist.get_world_size() > 1:
             everyone = [None] * dist.get_world_size()
@@ -314,7 +317,7 @@ class Telemetry:
             if failure is not None:
                 raise failure
             assert header is not None
-            known = [found for found in everyone if found is not None]
+            known = [listed for listed in everyone if listed is not None]
             (live,) = with_stand_ins([_LiveRank(header, self.directory)], known)
             local = self._describe(items, live.header)
         except Exception as error:  # every rank still joins the agreement below

@@ -18,12 +18,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradstat.core.axes import AXES, Axis
+from gradstat.core.axes import AXES, Axis, too_many_places
 from gradstat.core.groups import megatron_gtp_group, megatron_state
 from gradstat.core.predicates import gtp_local_pad_zero_count
 from gradstat.errors import SnapshotError
 from gradstat.snapshot.format import FRAGMENT_INHERITED_ATTRS
-from gradstat.snapshot.writer import save_rank
+from gradstat.snapshot.writer import check_coords, save_rank
 
 __all__ = [
     "coords_from_megatron",
@@ -484,6 +484,10 @@ def dump_rank(
     """
     step = _step_number(step)
     rank, world_size, merged = rank_coords(coords, mesh)
+    problem = too_many_places(check_coords(merged), world_size)
+    if problem is not None and dist.is_available() and dist.is_initialized():
+        # Outside a process group the world size is a stand-in, not the job's.
+        raise ValueError(f"coords {merged}: {problem}; give every axis of the job")
     pairs, grad_attr, distributed_optimizer = gradients_to_dump(
         model, optimizer, grad_attr, distributed_optimizer
     )

@@ -17,7 +17,7 @@ from typing import IO, TYPE_CHECKING, Any, ClassVar
 import torch
 
 from gradstat._cached import cached
-from gradstat.core.axes import AXES, DENSE_AXES, EXPERT_AXES, Axis
+from gradstat.core.axes import AXES, DENSE_AXES, EXPERT_AXES, Axis, too_many_places
 from gradstat.core.groups import AxisPlace
 from gradstat.errors import SnapshotError
 from gradstat.snapshot.container import (
@@ -38,7 +38,14 @@ from gradstat.snapshot.format import (
     parse_header,
 )
 from gradstat.snapshot.repeats import KnownParams
-from gradstat.snapshot.stand_ins import Lacking, lacking, with_stand_ins
+from gradstat.snapshot.stand_ins import (
+    Lacking,
+    Listing,
+    lacking,
+    listing,
+    names_digest,
+    with_stand_ins,
+)
 
 if TYPE_CHECKING:
     from gradstat.snapshot.wgrads import Source, WgradsOptions
@@ -200,7 +207,10 @@ class FileSummary:
     name: str  # the path is made when asked for: an error, a report (2.4 us a file)
     size_bytes: int
     header: RankHeader
-    lacking: Lacking = ()  # its records without a gradient (see gradstat.snapshot.stand_ins)
+    # What the stand-ins read of its records (gradstat.snapshot.stand_ins): those without a
+    # gradient, and a digest of their names.
+    lacking: Lacking = ()
+    names: tuple[int, int] = (0, 0)
 
     @property
     def path(self) -> Path:
@@ -214,7 +224,15 @@ class FileSummary:
     def of(cls, rank_file: RankFile) -> FileSummary:
         path = rank_file.path
         header = replace(rank_file.header, params=())
-        return cls(path.parent, path.name, rank_file.size_bytes, header, lacking(rank_file.header))
+        found = rank_file.header
+        return cls(
+            path.parent,
+            path.name,
+            rank_file.size_bytes,
+            header,
+            lacking(found),
+            names_digest(found),
+        )
 
     @staticmethod
     def to_columns(files: Sequence[RankFile | FileSummary]) -> list[list[Any]]:
@@ -229,7 +247,7 @@ class FileSummary:
             [file.size_bytes for file in files],
             *([getattr(header, key) for header in headers] for key in _SUMMARY_FIELDS),
             [[header.coords[axis] for axis in AXES] for header in headers],
-            [_lacking_of(file) for file in files],
+            *map(list, zip(*(_listed(file) for file in files), strict=True)),
         ]
 
     @classmethod
@@ -238,18 +256,21 @@ class FileSummary:
         (they are not parsed again: a rank file's header costs more to parse than its data to
         reduce)."""
         summaries = []
-        for name, size, *fields, places, missing in zip(*columns, strict=True):
+        for name, size, *fields, places, missing, names in zip(*columns, strict=True):
             values = dict(zip(_SUMMARY_FIELDS, fields, strict=True))
             values["triggers"] = tuple(values["triggers"])
             coords = dict(zip(AXES, map(tuple, places), strict=True))
             header = RankHeader(**values, coords=coords, params=())
             without = tuple((str(record), bool(expert)) for record, expert in missing)
-            summaries.append(cls(folder, name, size, header, without))
+            digests = (int(names[0]), int(names[1]))
+            summaries.append(cls(folder, name, size, header, without, digests))
         return summaries
 
 
-def _lacking_of(file: RankFile | FileSummary) -> Lacking:
-    return file.lacking if isinstance(file, FileSummary) else lacking(file.header)
+def _listed(file: RankFile | FileSummary) -> tuple[Lacking, tuple[int, int]]:
+    if isinstance(file, FileSummary):
+        return file.lacking, file.names
+    return lacking(file.header), names_digest(file.header)
 
 
 # The header fields of a summary's columns, in order (see FileSummary.to_columns).
@@ -330,7 +351,7 @@ class Snapshot(_Described):
         else:
             files = list(open_rank_files(folder, names))
         _check_whole(folder, files)
-        files = with_stand_ins(files, [(file.header, lacking(file.header)) for file in files])
+        files = with_stand_ins(files, [listing(file.path.name, file.header) for file in files])
         return cls(folder, tuple(sorted(files, key=lambda file: file.rank)))
 
 
@@ -357,7 +378,10 @@ class SnapshotShare(_Described):
             SnapshotError: as :meth:`Snapshot.open` raises it for the whole.
         """
         _check_whole(directory, sorted(summaries, key=operator.attrgetter("name")))
-        everyone = [(summary.header, summary.lacking) for summary in summaries]
+        everyone = [
+            Listing(summary.name, summary.header, summary.lacking, summary.names)
+            for summary in summaries
+        ]
         files = with_stand_ins(files, everyone)
         return cls(
             directory,
@@ -582,16 +606,12 @@ def _check_full_shape(path: Path, header: RankHeader, record: ParamRecord) -> No
 def _check_places(first: RankFile | FileSummary, world_size: int) -> None:
     """The axes of each family must not describe more places than the job has ranks: such
     coordinates would merge ranks as replicas that are not (a dp size with GTP folded in)."""
-    coords = first.header.coords
-    for family in (_DENSE_PLACES, _EXPERT_PLACES):
-        places = math.prod(coords[axis][1] for axis in family)
-        if places > world_size:
-            sizes = " x ".join(f"{axis} {coords[axis][1]}" for axis in family)
-            raise SnapshotError(
-                f"{first.path}: the coordinates describe {places} places ({sizes}) but the "
-                f"snapshot has {world_size} ranks (a data-parallel size that includes GTP or CP "
-                "ranks?)"
-            )
+    problem = too_many_places(first.header.coords, world_size)
+    if problem is not None:
+        raise SnapshotError(
+            f"{first.path}: {problem.replace('the job has', 'the snapshot has')} (a "
+            "data-parallel size that includes GTP or CP ranks?)"
+        )
 
 
 # What every rank file of a snapshot agrees on, with the words that name a difference.

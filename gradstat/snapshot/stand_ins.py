@@ -14,15 +14,17 @@ reading a share of a snapshot exchange with the files' summaries (usually none).
 
 from __future__ import annotations
 
+import zlib
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from gradstat.core.axes import DENSE_AXES, EXPERT_AXES, Axis
+from gradstat.errors import SnapshotError
 from gradstat.snapshot.format import RankHeader
 
-__all__ = ["lacking", "with_stand_ins"]
+__all__ = ["Listing", "lacking", "listing", "names_digest", "with_stand_ins"]
 
 _REPLICA_AXES = {False: (Axis.dp, Axis.cp), True: (Axis.edp,)}
 _SITE_AXES = {
@@ -31,6 +33,16 @@ _SITE_AXES = {
 }
 
 Lacking = tuple[tuple[str, bool], ...]  # (name, expert) of each record without a gradient
+
+
+class Listing(NamedTuple):
+    """What deciding the stand-ins reads of one rank file: its header (its records need not be
+    there), its records without a gradient, and a digest of its records' names."""
+
+    name: str  # the file's, for messages
+    header: RankHeader
+    lacking: Lacking
+    names: tuple[int, int]  # names_digest: dense, expert
 
 
 def lacking(header: RankHeader) -> Lacking:
@@ -45,6 +57,26 @@ def lacking(header: RankHeader) -> Lacking:
     return missing
 
 
+def names_digest(header: RankHeader) -> tuple[int, int]:
+    """Digests of the file's dense and of its expert parameter names, in order: replicas list
+    the same (expert-parallel ranks hold other experts: the expert names are compared among
+    expert-data-parallel replicas alone)."""
+    dense = "\0".join(record.name for record in header.params if not record.is_expert)
+    expert = "\0".join(record.name for record in header.params if record.is_expert)
+    # A name read from a file may hold lone surrogates (bytes that were no UTF-8): kept as such.
+    return (
+        zlib.crc32(dense.encode("utf-8", "surrogatepass")),
+        zlib.crc32(expert.encode("utf-8", "surrogatepass")),
+    )
+
+
+_NO_NAMES = zlib.crc32(b"")
+
+
+def listing(name: str, header: RankHeader) -> Listing:
+    return Listing(name, header, lacking(header), names_digest(header))
+
+
 def _site(coords: Mapping[str, tuple[int, int]], expert: bool) -> tuple[int, ...]:
     return tuple(coords[axis][0] for axis in _SITE_AXES[expert])
 
@@ -53,28 +85,60 @@ def _place(coords: Mapping[str, tuple[int, int]], expert: bool) -> tuple[int, ..
     return tuple(coords[axis][0] for axis in _REPLICA_AXES[expert])
 
 
-def with_stand_ins(
-    files: Sequence[Any], everyone: Sequence[tuple[RankHeader, Lacking]]
-) -> list[Any]:
+def with_stand_ins(files: Sequence[Any], everyone: Sequence[Listing]) -> list[Any]:
     """``files`` (rank files), each whose gradients stand in for a lower replica's given their
     names in its header's ``stand_ins``.
 
+    Replicas must list the same parameters: where they do not, a parameter one lists and
+    another does not is counted by neither or by both depending on which is at coordinate 0,
+    so the snapshot is refused.
+
     Args:
         files: the rank files to mark (all of a snapshot's, or a process's share).
-        everyone: every rank file's header (its records need not be there) and
-            :func:`lacking` of it.
+        everyone: :func:`listing` of every rank file.
+
+    Raises:
+        SnapshotError: replicas that list different parameters; two files holding experts at
+            the same expert coordinates.
     """
-    if not any(missing for _, missing in everyone):
-        return list(files)
     places: dict[tuple[bool, tuple[int, ...]], set[tuple[int, ...]]] = defaultdict(set)
+    lists: dict[tuple[bool, tuple[int, ...]], tuple[int, str]] = {}  # first digest, its file
     without: dict[tuple[bool, tuple[int, ...], str], set[tuple[int, ...]]] = defaultdict(set)
-    for header, missing in everyone:
-        if header.distributed_optimizer:
+    expert_places: dict[tuple[int, ...], str] = {}
+    for found in everyone:
+        coords = found.header.coords
+        if found.header.distributed_optimizer:
             continue
+        if found.names[True] != _NO_NAMES:
+            # Each copy of an expert is counted at expert-data-parallel coordinate 0: two files
+            # at one expert place (edp left out of coords over dp ranks) would count it twice.
+            where = (*_site(coords, True), *_place(coords, True))
+            if where in expert_places:
+                raise SnapshotError(
+                    f"{found.name} and {expert_places[where]} hold expert parameters at the "
+                    "same expert coordinates (etp, ep, egtp, edp, pp): each would count its "
+                    "copy; give the expert axes (edp) as the job has them"
+                )
+            expert_places[where] = found.name
         for expert in (False, True):
-            places[expert, _site(header.coords, expert)].add(_place(header.coords, expert))
-        for name, expert in missing:
-            without[expert, _site(header.coords, expert), name].add(_place(header.coords, expert))
+            site, place = _site(coords, expert), _place(coords, expert)
+            seen = places[expert, site]
+            # Replicas are files at other places of one site (files at one expert place that
+            # hold no expert are none: their expert lists are empty, not different).
+            digest, first = lists.setdefault((expert, site), (found.names[expert], found.name))
+            if place not in seen and found.names[expert] != digest:
+                other = found.name
+                raise SnapshotError(
+                    f"{first} and {other} are data-parallel replicas (their coordinates "
+                    "differ in dp, cp or edp alone) yet list different parameters: which "
+                    "copy counts is unknown; dump every parameter on every rank, as "
+                    "dump_rank does"
+                )
+            seen.add(place)
+        for name, expert in found.lacking:
+            without[expert, _site(coords, expert), name].add(_place(coords, expert))
+    if not without:
+        return list(files)
     marked = []
     for file in files:
         header = file.header
