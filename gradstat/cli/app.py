@@ -983,7 +983,10 @@ def history(
     norm_type: Annotated[
         str | None,
         typer.Option(
-            "--norm-type", "-p", help="Snapshots: 2, 1, inf or any p > 0 (a log holds its own)."
+            "--norm-type",
+            "-p",
+            help="Snapshots: 2, 1, inf or any p > 0. A log: read the attempts that recorded "
+            "this norm type (default: the latest attempt's).",
         ),
     ] = None,
     factor: Annotated[
