@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gradstat.analysis.hypotheses import (
@@ -27,7 +27,7 @@ from gradstat.analysis.hypotheses import (
     measure,
     names,
 )
-from gradstat.analysis.report import SnapshotInfo, json_number, jsonable, snapshot_info
+from gradstat.analysis.report import SnapshotInfo, as_dict, json_number, snapshot_info
 from gradstat.analysis.stats import Request, counts, tensor_piece
 from gradstat.core.predicates import (
     param_is_not_gtp_duplicate,
@@ -192,7 +192,7 @@ class ExplainRow:
     description: str
 
     def to_json(self) -> dict[str, Any]:
-        return dict(jsonable(asdict(self)))
+        return dict(as_dict(self))
 
 
 @dataclass(frozen=True)
@@ -217,7 +217,7 @@ class ExplainReport:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "snapshot": jsonable(asdict(self.snapshot)),
+            "snapshot": as_dict(self.snapshot),
             "quantity": self.quantity,
             "norm_type": None if self.norm_type is None else json_number(self.norm_type),
             "exact": json_number(self.exact),

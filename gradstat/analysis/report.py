@@ -10,7 +10,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, fields, is_dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -60,6 +60,41 @@ def jsonable(data: Any) -> Any:
     if isinstance(data, (list, tuple)):
         return [jsonable(value) for value in data]
     return data
+
+
+_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def as_dict(data: Any) -> Any:
+    """``data`` as JSON data: a dataclass as a dict of its fields, tuples as lists, floats as
+    :func:`json_number` gives them. ``dataclasses.asdict`` deep-copies every value first: a
+    report of 16,384 parameter rows took 0.3 s there."""
+    kind = type(data)
+    if kind is float:
+        return json_number(data)
+    if kind in (int, str, bool) or data is None:
+        return data
+    if kind in (list, tuple):
+        return [as_dict(value) for value in data]
+    if kind is dict:
+        return {key: as_dict(value) for key, value in data.items()}
+    names = _FIELDS.get(kind)
+    if names is None and is_dataclass(kind):
+        names = _FIELDS[kind] = tuple(field.name for field in fields(kind))
+    if names is None:
+        return jsonable(data)
+    found = {}
+    for name in names:  # a report's rows are flat: their scalars without a call each
+        value = getattr(data, name)
+        if type(value) is float:
+            value = json_number(value)
+        elif not (type(value) in _SCALARS or value is None):
+            value = as_dict(value)
+        found[name] = value
+    return found
+
+
+_SCALARS = frozenset((int, str, bool))
 
 
 def _count(number: int, noun: str) -> str:
@@ -195,12 +230,12 @@ class NormReport:
         )
 
     def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
+        data = as_dict(self)
         data["norm_type"] = json_number(self.norm_type)
         data["all_zero"] = self.all_zero
         data["nonfinite_not_counted"] = self.nonfinite_not_counted
         _drop_unasked(data)
-        return dict(jsonable(data))
+        return dict(data)
 
 
 def _drop_unasked(data: dict[str, Any]) -> None:
@@ -335,10 +370,10 @@ class ClipReport:
         return self.total_norm == 0.0
 
     def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
+        data = as_dict(self)
         data["clipped"] = self.clipped
         data["all_zero"] = self.all_zero
-        return dict(jsonable(data))
+        return dict(data)
 
 
 @dataclass(frozen=True)
@@ -384,10 +419,10 @@ class ZerosReport:
         return self.num_zeros == self.num_elements
 
     def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
+        data = as_dict(self)
         data["all_zero"] = self.all_zero
         _drop_unasked(data)
-        return dict(jsonable(data))
+        return dict(data)
 
 
 def _sparsity(zeros: int, elements: int) -> float:
@@ -502,7 +537,7 @@ class InspectReport:
     notes: tuple[str, ...] = ()  # where the placements overrule the coordinates
 
     def to_json(self) -> dict[str, Any]:
-        return dict(jsonable(asdict(self)))
+        return dict(as_dict(self))
 
 
 def inspect_report(snapshot: Snapshot) -> InspectReport:
@@ -698,9 +733,9 @@ class CompareReport:
         return bool(self.mismatches) or any(total.flagged for total in self.totals)
 
     def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
+        data = as_dict(self)
         data["flagged"] = self.flagged
-        return dict(jsonable(data))
+        return dict(data)
 
 
 @dataclass(frozen=True)
@@ -726,4 +761,4 @@ class AuditReport:
     findings: tuple[Finding, ...]
 
     def to_json(self) -> dict[str, Any]:
-        return dict(jsonable(asdict(self)))
+        return dict(as_dict(self))
