@@ -181,6 +181,8 @@ def _megatron_grads(grads_for_norm: _TensorOrList, what: str) -> tuple[list[Tens
     """Gradients given by Megatron's API, checked and made readable; the implicit zeros."""
     readable, implicit = [], 0
     for index, grad in enumerate(_as_list(grads_for_norm)):
+        if grad is None:  # a parameter without a gradient, as count_zeros_fp32 skips it
+            continue
         if _plain_gradient(grad):
             readable.append(grad)
             continue
@@ -254,11 +256,43 @@ def _stat(
     return stat
 
 
-def _megatron_norm(grads: list[Tensor], p: float, group: dist.ProcessGroup | None) -> float:
+def _megatron_norm(
+    grads: list[Tensor],
+    p: float,
+    group: dist.ProcessGroup | None,
+    problem: GradstatError | None = None,
+) -> float:
+    """The norm of ``grads`` over ``group``. With ``problem`` (this rank refused its input)
+    the rank still joins the first reduction, whose one more number tells every rank of the
+    group that one refused: all raise together, and the next call is in step (a rank that
+    raised alone left the others' all-reduce to pair with its next call)."""
+    first = [_distributed()]  # one process has no other rank to tell
+
     def reduce(compute: kernels.StatCompute, op: dist.ReduceOp.RedOpType) -> Tensor:
-        return _stat(grads, compute, op, group)
+        if not first:
+            return _stat(grads, compute, op, group)
+        first.clear()
+        flagged = _stat(grads, _with_refusal(compute, problem is not None), op, group)
+        if problem is not None:
+            raise problem
+        if float(flagged[-1]):
+            raise GradstatError(
+                "another rank refused its gradients (its error says why), so no norm was "
+                "computed; fix that rank's input"
+            )
+        return flagged[:-1]
 
     return kernels.reduced_norm(p, reduce)
+
+
+def _with_refusal(compute: kernels.StatCompute, refused: bool) -> kernels.StatCompute:
+    """``compute``'s statistic (a vector) with one more number: 1 where this rank refused."""
+
+    def flagged(tensors: list[Tensor], device: torch.device) -> Tensor:
+        stat = compute(tensors, device).reshape(-1)
+        return torch.cat([stat, stat.new_full((1,), float(refused))])  # a fill: no copy
+
+    return flagged
 
 
 def get_grad_norm_fp32(
@@ -302,7 +336,12 @@ def get_grad_norm_fp32(
     """
     p = check_norm_type(norm_type)
     check_stats_group(grad_stats_parallel_group, "get_grad_norm_fp32")
-    grads, _ = _megatron_grads(grads_for_norm, "get_grad_norm_fp32")
+    try:
+        grads, _ = _megatron_grads(grads_for_norm, "get_grad_norm_fp32")
+    except GradstatError as error:
+        if not _distributed():
+            raise
+        return _megatron_norm([], p, grad_stats_parallel_group, error)
     return _megatron_norm(grads, p, grad_stats_parallel_group)
 
 

@@ -117,6 +117,18 @@ def _tp_coords_alone(rank: int, _world_size: int, directory: str) -> list[str]:
     return said
 
 
+def _refused_on_one_rank(rank: int, _world_size: int, _arg: Any) -> list[str]:
+    """Rank 1 passes an integer gradient to get_grad_norm_fp32, then both a good one."""
+    said = []
+    grad = torch.tensor([3, 4]) if rank == 1 else torch.tensor([3.0, 4.0])
+    try:
+        gradstat.get_grad_norm_fp32([grad])
+    except gradstat.GradstatError as error:
+        said.append(str(error))
+    said.append(repr(gradstat.get_grad_norm_fp32([torch.tensor([6.0, 8.0])])))
+    return said
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Any:
     root = tmp_path_factory.mktemp("replicas")
@@ -124,6 +136,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Any:
     cases = [Case(case, _lacking, case) for case in _LACKING]
     cases += [Case("listed twice", _listed_twice), Case("lengths differ", _lengths_differ)]
     cases += [Case("tp coords", _tp_coords_alone, str(root / "tp"))]
+    cases += [Case("refused", _refused_on_one_rank)]
     cases += [
         Case("nan on rank 1", _recorded, ("nan", str(root / "nan"))),
         Case("spike on rank 1", _recorded, ("spike", str(root / "spike"))),
@@ -428,3 +441,42 @@ def test_expert_copies_at_the_same_expert_coordinates_are_refused(tmp_path: Path
     done = run_gradstat("norm", tmp_path, "--json")
     assert done.returncode == 2 and done.stdout == ""
     assert "same expert coordinates" in done.stderr and "edp" in done.stderr
+
+
+def test_a_rank_that_refuses_its_gradients_makes_every_rank_raise_and_stay_in_step(
+    two_ranks: Any,
+) -> None:
+    """get_grad_norm_fp32 with an integer gradient on rank 1: rank 1 said so alone and rank 0's
+    all-reduce paired with rank 1's next call (40.05 on both, for 5 and then 14.14)."""
+    _, report = two_ranks
+    (said0, norm0), (said1, norm1) = report.values("refused")
+    assert "another rank refused" in said0 and "int64" in said1, (said0, said1)
+    expected = repr(math.sqrt(2 * (6.0**2 + 8.0**2)))
+    assert norm0 == norm1 == expected, (norm0, norm1)
+
+
+def test_replicas_that_list_the_same_parameters_in_another_order_are_replicas(
+    tmp_path: Path,
+) -> None:
+    """Refused as "different parameters" before: the names, not their order, are compared."""
+    import json
+
+    from gradstat.snapshot import save_rank
+    from tests._cli import run_gradstat
+    from tests._params import param_with
+
+    weight, bias = torch.tensor([3.0, 4.0]), torch.tensor([12.0])
+    for rank in range(2):
+        pairs = [("w", param_with(None if rank == 0 else weight)), ("b", param_with(bias))]
+        save_rank(tmp_path, pairs[:: 1 if rank == 0 else -1], rank=rank, world_size=2,
+                  coords={"dp": [rank, 2]})  # fmt: skip
+    done = run_gradstat("norm", tmp_path, "--json")
+    assert done.returncode == 0, done.stderr
+    assert _close(json.loads(done.stdout)["total_norm"], 13.0)
+
+
+def test_none_in_the_megatron_api_is_a_parameter_without_a_gradient() -> None:
+    """get_grad_norm_fp32 and GradNorm raised AttributeError ('NoneType' ... 'is_meta')."""
+    grad = torch.tensor([3.0, 4.0])
+    assert gradstat.get_grad_norm_fp32([grad, None]) == 5.0
+    assert gradstat.GradNorm([grad, None])() == 5.0

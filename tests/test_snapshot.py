@@ -395,3 +395,25 @@ def test_rank_files_gradstat_writes_have_their_parameter_list_last(tmp_path: Pat
         known = KnownParams()
         assert parse_header(path, text, known) == parse_header(path, text), path
         assert len(known.by_text) + len(known.by_template) == 1, path  # split off and kept
+
+
+def test_a_folder_renamed_between_link_and_cleanup_leaves_one_name_and_no_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The flight recorder's rank 0 renames the snapshot folder once every rank file is
+    there, which may fall right after another rank's link: that rank said it could not dump
+    and left its temporary name behind (a second link to the file)."""
+    from gradstat.snapshot import writer
+
+    folder, renamed = tmp_path / ".step-5.partial", tmp_path / "step-5"
+    real_link = os.link
+
+    def link_then_rename(*args: Any, **kwargs: Any) -> None:
+        real_link(*args, **kwargs)
+        os.rename(folder, renamed)
+
+    monkeypatch.setattr(writer.os, "link", link_then_rename)
+    grad = torch.arange(6, dtype=torch.float32)
+    save_rank(folder, [("w", param_with(grad))], rank=0, world_size=1, coords={})
+    assert [path.name for path in renamed.iterdir()] == ["rank-00000.safetensors"]
+    assert (renamed / "rank-00000.safetensors").stat().st_nlink == 1

@@ -58,11 +58,11 @@ def lacking(header: RankHeader) -> Lacking:
 
 
 def names_digest(header: RankHeader) -> tuple[int, int]:
-    """Digests of the file's dense and of its expert parameter names, in order: replicas list
-    the same (expert-parallel ranks hold other experts: the expert names are compared among
+    """Digests of the file's dense and of its expert parameter names, in any order: replicas
+    list the same (expert-parallel ranks hold other experts: the expert names are compared among
     expert-data-parallel replicas alone)."""
-    dense = "\0".join(record.name for record in header.params if not record.is_expert)
-    expert = "\0".join(record.name for record in header.params if record.is_expert)
+    dense = "\0".join(sorted(record.name for record in header.params if not record.is_expert))
+    expert = "\0".join(sorted(record.name for record in header.params if record.is_expert))
     # A name read from a file may hold lone surrogates (bytes that were no UTF-8): kept as such.
     return (
         zlib.crc32(dense.encode("utf-8", "surrogatepass")),

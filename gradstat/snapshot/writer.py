@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
@@ -253,27 +254,40 @@ def _write_atomically(
     tensors: Sequence[tuple[str, torch.Tensor]],
     overwrite: bool,
 ) -> None:
-    handle, temporary = new_hidden_file(target.parent, f".{target.name}.")
+    """Write ``target`` through a hidden temporary file, linked (or, with ``overwrite``,
+    renamed) into place, then the folder synced.
+
+    Every step after the write goes through a descriptor of the folder, not its path: the flight
+    recorder's rank 0 renames the folder to ``step-N`` as soon as every rank file is there,
+    which may fall between another rank's link and its removal of the temporary name (that
+    rank then said it could not dump, and left a second name of its file behind).
+    """
     try:
+        folder = os.open(target.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError as error:
+        raise SnapshotError(f"{target}: cannot write ({error.strerror or error})") from error
+    temporary = None
+    try:
+        handle, path = new_hidden_file(target.parent, f".{target.name}.")
+        temporary = path.name
         with os.fdopen(handle, "wb") as file:
             write_container(file, metadata, tensors)
             file.flush()
             os.fsync(file.fileno())
         if overwrite:
-            os.replace(temporary, target)
+            os.replace(temporary, target.name, src_dir_fd=folder, dst_dir_fd=folder)
         else:
             # link() fails if the target appeared meanwhile: never clobber another writer.
-            os.link(temporary, target)
-            os.unlink(temporary)
-        directory = os.open(target.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
+            os.link(temporary, target.name, src_dir_fd=folder, dst_dir_fd=folder)
+            os.unlink(temporary, dir_fd=folder)
+        temporary = None
+        os.fsync(folder)
     except FileExistsError as error:
         raise SnapshotError(f"{target}: rank file exists; pass overwrite=True") from error
     except OSError as error:
         raise SnapshotError(f"{target}: cannot write ({error.strerror or error})") from error
     finally:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
+        if temporary is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temporary, dir_fd=folder)
+        os.close(folder)
