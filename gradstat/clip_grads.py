@@ -319,7 +319,7 @@ def get_grad_norm_fp32(
 
     Args:
         grads_for_norm: a tensor or an iterable of tensors (fp32, bf16, fp16 or fp64, strided
-            or sparse; DTensors on any meshes).
+            or sparse; DTensors on any meshes); None, a parameter without a gradient, is skipped.
         norm_type: 2, 1, ``math.inf`` or any finite p > 0.
         grad_stats_parallel_group: the group the statistics are reduced over. None: the default
             group when torch.distributed is initialized, no reduction otherwise.
@@ -333,6 +333,9 @@ def get_grad_norm_fp32(
         GradientInputError: a parameter instead of a gradient, a meta-device gradient.
         PartialGradientError: a DTensor gradient still Partial on a mesh dimension.
         StatsGroupError: a stats group that does not contain this rank.
+        GradstatError: another rank of the group refused its gradients (plain gradients:
+            every rank raises together; a rank refusing DTensors of a mesh the others reduce
+            over first leaves them waiting for it).
     """
     p = check_norm_type(norm_type)
     check_stats_group(grad_stats_parallel_group, "get_grad_norm_fp32")
