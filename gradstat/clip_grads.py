@@ -491,6 +491,10 @@ class _NativeGrads:
     length: int
     lacking: list[int]
     per_place: bool | None = None
+    # The DTensor copies counted on another rank: whether one holds a NaN, an Inf (a copy
+    # that differs is a fault the norm must not hide); reduced over every rank at the first
+    # reduction.
+    copies_bad: tuple[float, float] = (0.0, 0.0)
 
 
 def _lacks(item: Any) -> bool:
@@ -505,6 +509,7 @@ def _native_grads(parameters: _Params, group: Any, what: str) -> _NativeGrads:
     """Sort a torch-native job's gradients; an error is kept, to be told to every rank."""
     plain: list[Tensor] = []
     shards: list[Tensor] = []
+    copies_bad = (0.0, 0.0)
     implicit: list[int] = []
     places: list[int] = []
     lacking: list[int] = []
@@ -543,15 +548,22 @@ def _native_grads(parameters: _Params, group: Any, what: str) -> _NativeGrads:
             except ValueError as error:  # a mesh without this rank, copies it cannot tell
                 raise GradientInputError(f"{what}: {error}") from error
             shards = [shard for bucket in meshes for shard in bucket.shards]
+            copies = [copy for bucket in meshes for copy in bucket.copies]
+            if copies:
+                found = kernels.norm_partials(copies, 2.0, stats_device(copies, None)).tolist()
+                copies_bad = (found[3], found[2])  # NaN, Inf
             zeros_by_id = {id(grad): zeros for grad, zeros in zip(grads, zeros_of, strict=True)}
             implicit = [zeros_by_id[id(grad)] for grad in plain]
         places = [place_of[id(grad)].popleft() for grad in plain]  # plain keeps the list's order
     except GradstatError as error:
         plain, shards, implicit, places, lacking, problem = [], [], [], [], [], error
+        copies_bad = (0.0, 0.0)
     if problem is not None and not _distributed():
         raise problem
     device = stats_device(plain + shards, None, group if problem is None else None)
-    return _NativeGrads(plain, shards, implicit, problem, device, places, len(items), lacking)
+    native = _NativeGrads(plain, shards, implicit, problem, device, places, len(items), lacking)
+    native.copies_bad = copies_bad
+    return native
 
 
 def _distributed() -> bool:
@@ -600,14 +612,15 @@ def _native_reduce(
         if not _distributed():
             return torch.maximum(plain, mesh) if op == dist.ReduceOp.MAX else plain + mesh
         is_max = op == dist.ReduceOp.MAX
-        flags = [native.problem is not None, bool(native.lacking)]
+        flags = [native.problem is not None, bool(native.lacking), *native.copies_bad]
         parts = [mesh.reshape(-1), torch.tensor(flags, dtype=mesh.dtype).to(mesh.device)]
         if is_max and group is None:
             parts.append(plain.reshape(-1))
         world = all_reduce(torch.cat(parts), op, None)
         if native.problem is not None:
             raise native.problem
-        refused, lacked = world[mesh.numel() : mesh.numel() + 2].tolist()
+        refused, lacked, nan, inf = world[mesh.numel() : mesh.numel() + len(flags)].tolist()
+        native.copies_bad = (nan, inf)
         if refused:
             raise GradstatError(
                 f"rank {dist.get_rank()}: another rank refused its gradients (its error says "
@@ -624,7 +637,7 @@ def _native_reduce(
                 native.plain, native.places, extra, native.length, compute, op, native.device
             )
         elif is_max and group is None:
-            plain = world[mesh.numel() + 2 :].reshape(plain.shape)
+            plain = world[mesh.numel() + len(flags) :].reshape(plain.shape)
         else:
             if group is not None:
                 all_reduce(plain, op, group)
@@ -681,7 +694,11 @@ def total_norm(
     def reduce(compute: kernels.StatCompute, op: dist.ReduceOp.RedOpType) -> Tensor:
         return _native_reduce(native, compute, op, group)
 
-    return kernels.reduced_norm(p, reduce)
+    norm = kernels.reduced_norm(p, reduce)
+    nan, inf = native.copies_bad  # reduced over every rank by now
+    if nan:
+        return math.nan
+    return math.inf if inf and not math.isnan(norm) else norm
 
 
 def total_zeros(parameters: _Params, *, group: dist.ProcessGroup | None = None) -> int:

@@ -129,6 +129,30 @@ def _refused_on_one_rank(rank: int, _world_size: int, _arg: Any) -> list[str]:
     return said
 
 
+def _replicate_copy_goes_bad(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    """A Replicate DTensor ``w`` (counted at mesh coordinate 0) beside a plain ``b``: rank 1's
+    copy of ``w`` holds a NaN at step 2 and an Inf at step 3."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    full = torch.tensor([[3.0, 4.0], [12.0, 0.0]])
+    weight = torch.nn.Parameter(DTensor.from_local(full.clone(), mesh, [Replicate()]))
+    bias = torch.nn.Parameter(torch.zeros(2))
+    recorder = gradstat.Recorder([("w", weight), ("b", bias)], directory, spike=None)
+    found: dict[str, Any] = {"recorder": [], "total_norm": [], "triggers": []}
+    for step in (1, 2, 3):
+        local = full.clone()
+        if rank == 1 and step > 1:
+            local[0, 0] = math.nan if step == 2 else math.inf
+        weight.grad = DTensor.from_local(local, mesh, [Replicate()], run_check=False)
+        bias.grad = torch.tensor([0.0, 5.0])
+        found["recorder"].append(recorder.step(step))
+        found["total_norm"].append(gradstat.total_norm([weight, bias]))
+        found["triggers"].append(list(recorder.records[-1].triggers))
+    return found
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Any:
     root = tmp_path_factory.mktemp("replicas")
@@ -137,6 +161,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Any:
     cases += [Case("listed twice", _listed_twice), Case("lengths differ", _lengths_differ)]
     cases += [Case("tp coords", _tp_coords_alone, str(root / "tp"))]
     cases += [Case("refused", _refused_on_one_rank)]
+    cases += [Case("replicate copy", _replicate_copy_goes_bad, str(root / "replicate"))]
     cases += [
         Case("nan on rank 1", _recorded, ("nan", str(root / "nan"))),
         Case("spike on rank 1", _recorded, ("spike", str(root / "spike"))),
@@ -480,3 +505,17 @@ def test_none_in_the_megatron_api_is_a_parameter_without_a_gradient() -> None:
     grad = torch.tensor([3.0, 4.0])
     assert gradstat.get_grad_norm_fp32([grad, None]) == 5.0
     assert gradstat.GradNorm([grad, None])() == 5.0
+
+
+def test_a_nan_or_inf_on_a_replicate_copy_counted_elsewhere_is_every_ranks_norm(
+    two_ranks: Any,
+) -> None:
+    """The copy at coordinate 0 is finite, rank 1's is not: the norm was the finite one's
+    (13.93), no trigger fired."""
+    _, report = two_ranks
+    finite = math.sqrt(3.0**2 + 4.0**2 + 12.0**2 + 5.0**2)
+    for found in report.values("replicate copy"):
+        for key in ("recorder", "total_norm"):
+            first, second, third = found[key]
+            assert _close(first, finite) and math.isnan(second) and third == math.inf, key
+        assert found["triggers"] == [[], ["nonfinite"], ["nonfinite"]], found["triggers"]

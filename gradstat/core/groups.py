@@ -206,6 +206,7 @@ class MeshShards:
 
     mesh: Any
     shards: list[Tensor] = field(default_factory=list)
+    copies: list[Tensor] = field(default_factory=list)  # the rest: counted on another rank
 
 
 def _mesh_key(mesh: Any) -> tuple[Any, ...]:
@@ -251,6 +252,8 @@ def split_by_mesh(
         is_tp = bool(tensor_parallel[index]) if root and tensor_parallel else False
         if not place.is_replica(is_tp, across_root=root):
             bucket.shards.append(dtensor.to_local())
+        else:
+            bucket.copies.append(dtensor.to_local())
     return plain, [meshes[key] for key in sorted(meshes)]
 
 

@@ -484,7 +484,7 @@ class Telemetry:
     def _uncounted(self, local: _Local, items: Sequence[Any]) -> tuple[float, list[float]]:
         """The lacking digest of this rank's list, and its uncounted plain gradients' squares,
         NaN, Inf and out-of-range flags (:class:`NativeTotal`: total_norm reads them all)."""
-        lacking, grads = [], []
+        lacking, grads, copies = [], [], []
         for position in local.uncounted:
             item = items[position]
             held = self.gradients.gradient(item)
@@ -493,11 +493,17 @@ class Telemetry:
                     lacking.append(position)
             elif not is_dtensor(held):
                 grads.append(readable_values(held, f"gradient {position}")[0])
+            else:  # a DTensor copy counted on another rank: total_norm reads its NaN and Inf
+                copies.append(to_local(held))
         found = [0.0, 0.0, 0.0, 0.0]
         if grads:
             device = stats_device(grads, None)
             total, scaled, inf, nan = kernels.norm_partials(grads, 2.0, device).tolist()
             found = [total, nan, inf, scaled]
+        if copies:
+            flags = kernels.norm_partials(copies, 2.0, stats_device(copies, None)).tolist()
+            found[1] += flags[3]
+            found[2] += flags[2]
         return lacking_digest(len(items), lacking), found
 
     @staticmethod
