@@ -561,9 +561,9 @@ def _native_grads(parameters: _Params, group: Any, what: str) -> _NativeGrads:
     if problem is not None and not _distributed():
         raise problem
     device = stats_device(plain + shards, None, group if problem is None else None)
-    native = _NativeGrads(plain, shards, implicit, problem, device, places, len(items), lacking)
-    native.copies_bad = copies_bad
-    return native
+    return _NativeGrads(
+        plain, shards, implicit, problem, device, places, len(items), lacking, None, copies_bad
+    )
 
 
 def _distributed() -> bool:

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gradstat.analysis.report import json_number
-from gradstat.analysis.stats import snapshot_stats
+from gradstat.analysis.stats import SnapshotStats, snapshot_stats
 from gradstat.errors import SnapshotError
 from gradstat.snapshot.reader import Snapshot, holds_rank_files
 
@@ -365,18 +365,26 @@ def _from_snapshots(
     return history
 
 
+def _read_kept(
+    path: Path, step: int, snapshot: Snapshot, norm_type: float
+) -> tuple[KeptSnapshot, SnapshotStats]:
+    """A snapshot read for its own numbers."""
+    stats = snapshot_stats(snapshot, (norm_type,))
+    triggers = snapshot.files[0].header.triggers
+    return KeptSnapshot(path, step, stats.norm(norm_type), stats.zeros, triggers), stats
+
+
 def _add_snapshot(
     history: History, step: int, path: Path, snapshot: Snapshot, norm_type: float
 ) -> None:
-    stats = snapshot_stats(snapshot, (norm_type,))
-    triggers = snapshot.files[0].header.triggers
+    kept, stats = _read_kept(path, step, snapshot, norm_type)
     history.steps.append(step)
     history.paths.append(path)
-    history.totals.append(stats.norm(norm_type))
-    history.total_zeros.append(stats.zeros)
+    history.totals.append(kept.total_norm)
+    history.total_zeros.append(kept.num_zeros)
     history.logged.append(None)
-    history.triggers.append(triggers)
-    history.snapshots.append(KeptSnapshot(path, step, stats.norm(norm_type), stats.zeros, triggers))
+    history.triggers.append(kept.triggers)
+    history.snapshots.append(kept)
     for param in stats.params:
         series = history.params.get(param.name)
         if series is None:
@@ -507,12 +515,9 @@ def _kept_snapshots(
             if record is not None and record[0] == norm_type:
                 kept.append(KeptSnapshot(path, step, *record[1:]))
                 continue
-            stats = snapshot_stats(snapshot, (norm_type,))
+            kept.append(_read_kept(path, step, snapshot, norm_type)[0])
         except SnapshotError as error:
             problems(f"{path}: skipped, unreadable: {error}")
-            continue
-        total, triggers = stats.norm(norm_type), snapshot.files[0].header.triggers
-        kept.append(KeptSnapshot(path, step, total, stats.zeros, triggers))
     return kept
 
 

@@ -55,18 +55,21 @@ DENSE_AXES = (Axis.tp, Axis.cp, Axis.gtp, Axis.dp)
 EXPERT_AXES = (Axis.etp, Axis.ep, Axis.egtp, Axis.edp)
 
 
-def too_many_places(coords: Mapping[str, Sequence[int]], world_size: int) -> str | None:
+def too_many_places(
+    coords: Mapping[str, Sequence[int]], world_size: int, holder: str = "the job"
+) -> str | None:
     """What is wrong with ``coords`` (every axis, ``[rank_on_axis, size]``) when the dense or
-    the expert axes describe more places than the job's ``world_size`` ranks: such coordinates
-    would merge ranks as replicas that are not (a dp size with GTP folded in, or ``tp`` given
-    by hand beside a data-parallel size found over the whole world). None: they fit."""
+    the expert axes describe more places than ``holder``'s ``world_size`` ranks: such
+    coordinates would merge ranks as replicas that are not (a dp size with GTP folded in, or
+    ``tp`` given by hand beside a data-parallel size found over the whole world). None: they
+    fit."""
     for family in (DENSE_AXES, EXPERT_AXES):
         axes = (*family, Axis.pp)
         places = math.prod(coords[axis][1] for axis in axes)
         if places > world_size:
             sizes = " x ".join(f"{axis} {coords[axis][1]}" for axis in axes)
             return (
-                f"the coordinates describe {places} places ({sizes}) but the job has "
+                f"the coordinates describe {places} places ({sizes}) but {holder} has "
                 f"{world_size} ranks"
             )
     return None

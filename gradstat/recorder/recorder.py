@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 from gradstat._collector import collector_paused
 from gradstat.clip_grads import check_norm_type
-from gradstat.core.axes import too_many_places
 from gradstat.core.groups import megatron_state
 from gradstat.errors import ArgumentError
 from gradstat.recorder.agreement import Agreement
@@ -37,8 +36,7 @@ from gradstat.recorder.model import Gradients
 from gradstat.recorder.snapshots import Snapshots
 from gradstat.recorder.telemetry import Layout, ParamsAtStep, Telemetry
 from gradstat.recorder.triggers import TRIGGERS, Triggers
-from gradstat.snapshot.capture import rank_coords
-from gradstat.snapshot.writer import check_coords
+from gradstat.snapshot.capture import job_coords
 
 __all__ = ["Recorder", "StepRecord"]
 
@@ -77,16 +75,9 @@ def _check_coords(coords: Mapping[str, Sequence[int]] | None, mesh: Any) -> None
     if coords is None:
         return
     try:
-        _, world_size, merged = rank_coords(coords, mesh)
-        problem = too_many_places(check_coords(merged), world_size)
+        job_coords(coords, mesh)
     except (TypeError, ValueError) as error:
         raise ArgumentError(f"coords={dict(coords)!r}: {error}") from error
-    if problem is not None and dist.is_available() and dist.is_initialized():
-        # Outside a process group the world size is a stand-in, not the job's.
-        raise ArgumentError(
-            f"coords={dict(coords)!r}, with the axes found ({merged}): {problem}; give every "
-            "axis of the job"
-        )
 
 
 def _close(a: float, b: float) -> bool:

@@ -423,6 +423,24 @@ def rank_coords(
     return rank, world_size, merged
 
 
+def job_coords(
+    coords: Mapping[str, Sequence[int]] | None = None, mesh: Any = None
+) -> tuple[int, int, dict[str, list[int]]]:
+    """:func:`rank_coords`, checked: in a live process group, coordinates that describe more
+    places than the job has ranks (``coords={"tp": ...}`` beside the data-parallel size found
+    over the world) are refused before anything is written that no reader could take.
+
+    Raises:
+        ValueError: unknown axes, bad places, or more places than ranks.
+    """
+    rank, world_size, merged = rank_coords(coords, mesh)
+    problem = too_many_places(check_coords(merged), world_size)
+    if problem is not None and dist.is_available() and dist.is_initialized():
+        # Outside a process group the world size is a stand-in, not the job's.
+        raise ValueError(f"coords {merged}: {problem}; give every axis of the job")
+    return rank, world_size, merged
+
+
 def dump_rank(
     directory: str | os.PathLike[str],
     model: torch.nn.Module | Sequence[torch.nn.Module] | Iterable[tuple[str, Any]],
@@ -483,11 +501,7 @@ def dump_rank(
             ``grad_attr`` other than "main_grad" with fragments, ...).
     """
     step = _step_number(step)
-    rank, world_size, merged = rank_coords(coords, mesh)
-    problem = too_many_places(check_coords(merged), world_size)
-    if problem is not None and dist.is_available() and dist.is_initialized():
-        # Outside a process group the world size is a stand-in, not the job's.
-        raise ValueError(f"coords {merged}: {problem}; give every axis of the job")
+    rank, world_size, merged = job_coords(coords, mesh)
     pairs, grad_attr, distributed_optimizer = gradients_to_dump(
         model, optimizer, grad_attr, distributed_optimizer
     )

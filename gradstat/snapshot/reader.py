@@ -606,11 +606,10 @@ def _check_full_shape(path: Path, header: RankHeader, record: ParamRecord) -> No
 def _check_places(first: RankFile | FileSummary, world_size: int) -> None:
     """The axes of each family must not describe more places than the job has ranks: such
     coordinates would merge ranks as replicas that are not (a dp size with GTP folded in)."""
-    problem = too_many_places(first.header.coords, world_size)
+    problem = too_many_places(first.header.coords, world_size, "the snapshot")
     if problem is not None:
         raise SnapshotError(
-            f"{first.path}: {problem.replace('the job has', 'the snapshot has')} (a "
-            "data-parallel size that includes GTP or CP ranks?)"
+            f"{first.path}: {problem} (a data-parallel size that includes GTP or CP ranks?)"
         )
 
 
