@@ -531,14 +531,14 @@ def test_history_shows_a_run_of_routine_snapshots_as_a_range() -> None:
     from gradstat.cli.render import _triggered
 
     every_step = SimpleNamespace(steps=list(range(1, 13)), triggers=[("every",)] * 12)
-    assert _triggered(every_step) == "every at 1 .. 12"
+    assert _triggered(every_step.steps, every_step.triggers) == "every at 1 .. 12"
     strided = SimpleNamespace(
         steps=[5, 9, 10, 15, 20, 25],
         triggers=[("every",), ("spike",), ("every",), ("every",), ("every",), ("every",)],
     )
-    assert _triggered(strided) == "every at 5, 10, 15 .. 25; spike at 9"
+    assert _triggered(strided.steps, strided.triggers) == "every at 5, 10, 15 .. 25; spike at 9"
     # Steps 5, 9, 10 have no one stride: each is named.
     uneven = SimpleNamespace(
         steps=[5, 9, 10], triggers=[("every",), ("every", "spike"), ("every",)]
     )
-    assert _triggered(uneven) == "every at 5, 9, 10; spike at 9"
+    assert _triggered(uneven.steps, uneven.triggers) == "every at 5, 9, 10; spike at 9"

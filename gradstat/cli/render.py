@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -641,22 +640,14 @@ def sparkline(values: Iterable[float]) -> str:
     return "".join(chars)
 
 
-@dataclass(frozen=True)
-class _Taken:
-    """The kept snapshots in order, one entry each: its step and the triggers that took it."""
-
-    steps: list[int]
-    triggers: list[tuple[str, ...]]
-
-
-def _triggered(taken: _Taken) -> str:
-    """Which snapshots each trigger took: ``every at 5, 10; spike at 9``. Three or more
+def _triggered(steps: Sequence[int], taken_by: Sequence[tuple[str, ...]]) -> str:
+    """Which snapshots each trigger took (the kept snapshots in order: each one's step and
+    the triggers that took it): ``every at 5, 10; spike at 9``. Three or more
     snapshots one after the other whose steps have one stride read ``1 .. 12`` (stride 1) or
     ``5, 10 .. 60``; a step with several (a resumed run replayed it) ``4 (2 snapshots)``."""
     # trigger: its runs, each a list of (step, snapshots at it, index of the last of them)
     runs: dict[str, list[list[tuple[int, int, int]]]] = {}
-    steps = taken.steps
-    for index, triggers in enumerate(taken.triggers):
+    for index, triggers in enumerate(taken_by):
         for trigger in triggers:
             found = runs.setdefault(trigger, [])
             run = found[-1] if found else []
@@ -715,7 +706,7 @@ def print_history(console: Console, history: History, top: int | None = 20) -> N
         console.print(f"{counted}; total norm ({span}): {sparkline(_sampled(totals))}")
     kept_snapshots = history.snapshots
     triggered = _triggered(
-        _Taken([kept.step for kept in kept_snapshots], [kept.triggers for kept in kept_snapshots])
+        [kept.step for kept in kept_snapshots], [kept.triggers for kept in kept_snapshots]
     )
     if triggered:
         console.print(f"taken by the flight recorder's triggers: {_shown(triggered)}")
