@@ -12,14 +12,15 @@ import numbers
 import warnings
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gradstat.core import kernels, replicas
+from gradstat.core import copies, kernels, replicas
+from gradstat.core.copies import CopyGroup
 from gradstat.core.footprint import Footprint, footprint, overlaps_itself, relation
 from gradstat.core.groups import (
     MeshShards,
@@ -491,10 +492,9 @@ class _NativeGrads:
     length: int
     lacking: list[int]
     per_place: bool | None = None
-    # The DTensor copies counted on another rank: whether one holds a NaN, an Inf (a copy
-    # that differs is a fault the norm must not hide); reduced over every rank at the first
-    # reduction.
-    copies_bad: tuple[float, float] = (0.0, 0.0)
+    # The DTensor shards that other ranks hold copies of, each counted by its largest copy
+    # (:mod:`gradstat.core.copies`): a copy that differs is a fault the norm must not hide.
+    groups: list[CopyGroup] = field(default_factory=list)
 
 
 def _lacks(item: Any) -> bool:
@@ -509,7 +509,7 @@ def _native_grads(parameters: _Params, group: Any, what: str) -> _NativeGrads:
     """Sort a torch-native job's gradients; an error is kept, to be told to every rank."""
     plain: list[Tensor] = []
     shards: list[Tensor] = []
-    copies_bad = (0.0, 0.0)
+    groups: list[CopyGroup] = []
     implicit: list[int] = []
     places: list[int] = []
     lacking: list[int] = []
@@ -517,7 +517,7 @@ def _native_grads(parameters: _Params, group: Any, what: str) -> _NativeGrads:
     items = _as_list(parameters)
     try:
         check_stats_group(group, what)
-        grads, tensor_parallel, zeros_of = [], [], []
+        grads, tensor_parallel, zeros_of, positions = [], [], [], []
         place_of: dict[int, deque[int]] = defaultdict(deque)
         for index, item in enumerate(items):
             if item is None or is_parameter(item):
@@ -537,32 +537,31 @@ def _native_grads(parameters: _Params, group: Any, what: str) -> _NativeGrads:
             values, zeros = readable_values(grad, label)
             place_of[id(values)].append(index)  # a tensor listed twice has two places
             grads.append(values)
+            positions.append(index)
             zeros_of.append(zeros)
             tensor_parallel.append(bool(getattr(item, "tensor_model_parallel", False)))
         plain, implicit = grads, zeros_of
         if any(type(grad) is not Tensor and is_dtensor(grad) for grad in grads):
             try:
-                plain, meshes = split_by_mesh(grads, tensor_parallel, root=True)
+                plain, meshes = split_by_mesh(grads, tensor_parallel, root=True, places=positions)
             except GradstatError:
                 raise
             except ValueError as error:  # a mesh without this rank, copies it cannot tell
                 raise GradientInputError(f"{what}: {error}") from error
             shards = [shard for bucket in meshes for shard in bucket.shards]
-            copies = [copy for bucket in meshes for copy in bucket.copies]
-            if copies:
-                found = kernels.norm_partials(copies, 2.0, stats_device(copies, None)).tolist()
-                copies_bad = (found[3], found[2])  # NaN, Inf
+            groups = [group for bucket in meshes for group in bucket.groups.values()]
             zeros_by_id = {id(grad): zeros for grad, zeros in zip(grads, zeros_of, strict=True)}
             implicit = [zeros_by_id[id(grad)] for grad in plain]
         places = [place_of[id(grad)].popleft() for grad in plain]  # plain keeps the list's order
     except GradstatError as error:
         plain, shards, implicit, places, lacking, problem = [], [], [], [], [], error
-        copies_bad = (0.0, 0.0)
+        groups = []
     if problem is not None and not _distributed():
         raise problem
-    device = stats_device(plain + shards, None, group if problem is None else None)
+    held = plain + shards + [tensor for copies in groups for tensor in copies.tensors]
+    device = stats_device(held, None, group if problem is None else None)
     return _NativeGrads(
-        plain, shards, implicit, problem, device, places, len(items), lacking, None, copies_bad
+        plain, shards, implicit, problem, device, places, len(items), lacking, None, groups
     )
 
 
@@ -585,7 +584,9 @@ def _native_reduce(
 
     - one all-reduce over the default group with ``op`` of the DTensor shards' statistic
       (each element of the job is counted on exactly one rank, so one sum serves every mesh),
-      of whether a rank refused its gradients and of whether one lacks a gradient;
+      of whether a rank refused its gradients and of whether one lacks a gradient; for a sum,
+      also of whether the copies of shards held on several ranks agree, and where they do not,
+      each such shard's largest copy is gathered (:mod:`gradstat.core.copies`);
     - the plain gradients' statistic, summed over ``group`` when given (pipeline stages),
       then its MAX over the default group: plain gradients are data-parallel replicas, so a
       rank whose list lacks one takes another rank's value. For the MAX of an inf norm this
@@ -594,39 +595,50 @@ def _native_reduce(
 
     ``implicit``: add each gradient's implicit zeros (a sparse gradient's) to its statistic.
     """
+    is_max = op == dist.ReduceOp.MAX
     with torch.no_grad():
         # An empty list's statistic is zeros of the same shape: no kernel (nor, on CUDA, a
         # synchronisation) for the part a job does not have.
-        if native.plain or not native.shards:
+        copied = [tensor for copies_of in native.groups for tensor in copies_of.tensors]
+        shards = native.shards + copied if is_max else native.shards
+        if native.plain or not shards:
             plain = compute(native.plain, native.device)
-            mesh = (
-                compute(native.shards, native.device)
-                if native.shards
-                else plain.new_zeros(plain.shape)
-            )
+            mesh = compute(shards, native.device) if shards else plain.new_zeros(plain.shape)
         else:
-            mesh = compute(native.shards, native.device)
+            mesh = compute(shards, native.device)
             plain = mesh.new_zeros(mesh.shape)
         if implicit:
             plain = plain + sum(native.implicit_zeros)
         if not _distributed():
-            return torch.maximum(plain, mesh) if op == dist.ReduceOp.MAX else plain + mesh
-        is_max = op == dist.ReduceOp.MAX
-        flags = [native.problem is not None, bool(native.lacking), *native.copies_bad]
-        parts = [mesh.reshape(-1), torch.tensor(flags, dtype=mesh.dtype).to(mesh.device)]
+            return torch.maximum(plain, mesh) if is_max else plain + mesh
+        parts = [mesh.reshape(-1)]
+        if not is_max:
+            stats = [compute(group.tensors, native.device) for group in native.groups]
+            counted, found = copies.moments(native.groups, stats, mesh.shape, mesh.device)
+            parts += [counted.reshape(-1), found.reshape(-1)]
+        flags = [native.problem is not None, bool(native.lacking)]
+        parts.append(torch.tensor(flags, dtype=mesh.dtype).to(mesh.device))
         if is_max and group is None:
             parts.append(plain.reshape(-1))
         world = all_reduce(torch.cat(parts), op, None)
         if native.problem is not None:
             raise native.problem
-        refused, lacked, nan, inf = world[mesh.numel() : mesh.numel() + len(flags)].tolist()
-        native.copies_bad = (nan, inf)
+        width = mesh.numel()
+        told = width if is_max else 6 * width + 2  # the shards', the counted copies', moments
+        refused, lacked = world[told : told + len(flags)].tolist()
         if refused:
             raise GradstatError(
                 f"rank {dist.get_rank()}: another rank refused its gradients (its error says "
                 "why), so no statistic was computed; fix that rank's input"
             )
-        mesh = world[: mesh.numel()].reshape(mesh.shape)
+        mesh = world[:width].reshape(mesh.shape)
+        if not is_max:
+            if copies.differ(world[2 * width : told].tolist()):
+                mesh = mesh + copies.largest_copies(
+                    native.groups, compute, mesh.shape, native.device
+                )
+            else:
+                mesh = mesh + world[width : 2 * width].reshape(mesh.shape)
         if group is None and lacked and native.per_place is None:
             native.per_place = replicas.lacked_differently(
                 native.length, native.lacking, native.device
@@ -637,7 +649,7 @@ def _native_reduce(
                 native.plain, native.places, extra, native.length, compute, op, native.device
             )
         elif is_max and group is None:
-            plain = world[mesh.numel() + len(flags) :].reshape(plain.shape)
+            plain = world[told + len(flags) :].reshape(plain.shape)
         else:
             if group is not None:
                 all_reduce(plain, op, group)
@@ -694,11 +706,7 @@ def total_norm(
     def reduce(compute: kernels.StatCompute, op: dist.ReduceOp.RedOpType) -> Tensor:
         return _native_reduce(native, compute, op, group)
 
-    norm = kernels.reduced_norm(p, reduce)
-    nan, inf = native.copies_bad  # reduced over every rank by now
-    if nan:
-        return math.nan
-    return math.inf if inf and not math.isnan(norm) else norm
+    return kernels.reduced_norm(p, reduce)
 
 
 def total_zeros(parameters: _Params, *, group: dist.ProcessGroup | None = None) -> int:

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gradstat.core.placements import describe, root_mesh
+from gradstat.core.copies import CopyGroup, copy_group_key
+from gradstat.core.placements import MeshPlacement, describe, root_mesh
 from gradstat.errors import PartialGradientError
 
 if TYPE_CHECKING:
@@ -28,6 +29,7 @@ __all__ = [
     "PartialGradientError",
     "RankLike",
     "all_reduce",
+    "copy_group",
     "group_rank",
     "group_ranks",
     "group_size",
@@ -206,7 +208,8 @@ class MeshShards:
 
     mesh: Any
     shards: list[Tensor] = field(default_factory=list)
-    copies: list[Tensor] = field(default_factory=list)  # the rest: counted on another rank
+    # Over the root mesh: the shards that other ranks hold copies of, by group.
+    groups: dict[Any, CopyGroup] = field(default_factory=dict)
 
 
 def _mesh_key(mesh: Any) -> tuple[Any, ...]:
@@ -214,7 +217,11 @@ def _mesh_key(mesh: Any) -> tuple[Any, ...]:
 
 
 def split_by_mesh(
-    grads: Sequence[Tensor], tensor_parallel: Sequence[bool] | None = None, *, root: bool = False
+    grads: Sequence[Tensor],
+    tensor_parallel: Sequence[bool] | None = None,
+    *,
+    root: bool = False,
+    places: Sequence[int] | None = None,
 ) -> tuple[list[Tensor], list[MeshShards]]:
     """Plain gradients, and per device mesh the local DTensor shards that count.
 
@@ -222,9 +229,13 @@ def split_by_mesh(
         grads: gradients, DTensors or not.
         tensor_parallel: per gradient, whether its parameter is Megatron tensor-parallel (only
             read with ``root``).
-        root: reduce over the root mesh, counting the copies a mesh slice has along the root's
-            other dimensions once (see :mod:`gradstat.core.placements`); False: only the DTensor's
-            own placements decide, Megatron's attribute filters having removed the copies.
+        root: reduce over the root mesh; the shards other ranks hold copies of (along a
+            Replicate dimension, or along the root's other dimensions for a mesh slice, see
+            :mod:`gradstat.core.placements`) go into the mesh's ``groups``
+            (:mod:`gradstat.core.copies`). False: only the DTensor's own placements decide,
+            Megatron's attribute filters having removed the copies, which are left out.
+        places: each gradient's place in the caller's list (default: its index), which names
+            a shard with copies to the other ranks.
 
     Returns:
         The plain gradients, and the meshes in an order every rank of a mesh agrees on.
@@ -248,13 +259,40 @@ def split_by_mesh(
                 "after the gradients are reduced (or redistribute it to Shard/Replicate)"
             )
         mesh = root_mesh(dtensor.device_mesh) if root else dtensor.device_mesh
-        bucket = meshes.setdefault(_mesh_key(mesh), MeshShards(mesh))
-        is_tp = bool(tensor_parallel[index]) if root and tensor_parallel else False
-        if not place.is_replica(is_tp, across_root=root):
+        key = _mesh_key(mesh)
+        bucket = meshes.setdefault(key, MeshShards(mesh))
+        if not root:
+            if not place.is_replica(across_root=False):
+                bucket.shards.append(dtensor.to_local())
+            continue
+        is_tp = bool(tensor_parallel[index]) if tensor_parallel else False
+        found = copy_group(dtensor, is_tp, place)
+        if found is None:
             bucket.shards.append(dtensor.to_local())
-        else:
-            bucket.copies.append(dtensor.to_local())
+            continue
+        group_key, size, is_copy = found
+        group = bucket.groups.setdefault(group_key, CopyGroup(group_key, size, is_copy))
+        group.places.append(index if places is None else places[index])
+        group.tensors.append(dtensor.to_local())
     return plain, [meshes[key] for key in sorted(meshes)]
+
+
+def copy_group(
+    grad: Any, tensor_parallel: bool = False, place: MeshPlacement | None = None
+) -> tuple[Any, int, bool] | None:
+    """Where the copies of a DTensor gradient's local shard lie, over its root mesh
+    (:func:`gradstat.core.copies.copy_group_key`); None when no other rank holds one.
+
+    Args:
+        grad: a DTensor gradient.
+        tensor_parallel: its parameter is Megatron tensor-parallel.
+        place: its placement, where the caller described it already.
+    """
+    dtensor = _as_dtensor(grad)
+    assert dtensor is not None, "a DTensor's copies"
+    root = root_mesh(dtensor.device_mesh)
+    described = describe(dtensor) if place is None else place
+    return copy_group_key(described, root, _mesh_key(root), tensor_parallel)
 
 
 def group_ranks(group: Any, *, default_world: bool) -> frozenset[int]:

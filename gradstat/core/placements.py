@@ -94,16 +94,28 @@ class MeshPlacement:
             across_root: also count the copies along the root mesh; False: the DTensor's own
                 placements alone (Megatron's attribute filters removed the other copies).
         """
-        if any(
-            code == "R" and index != 0
-            for code, index in zip(self.placements, self.coordinate, strict=True)
-        ):
-            return True
-        return across_root and any(
-            rank != 0
-            for name, rank, _ in self.copies
-            if not (tensor_parallel and is_tensor_parallel_dim(name))
-        )
+        return any(index != 0 for _, index, _ in self.copy_dims(tensor_parallel, across_root))
+
+    def copy_dims(
+        self, tensor_parallel: bool = False, across_root: bool = True
+    ) -> list[tuple[str, int, int]]:
+        """The dimensions along which other ranks hold copies of this shard, as ``(name, this
+        rank's coordinate, size)``: its mesh's Replicate dimensions, then (``across_root``) the
+        root's that hold copies (see :meth:`is_replica`); dimensions of size 1 hold none."""
+        found = [
+            (self.dim_name(dim), index, size)
+            for dim, (code, index, size) in enumerate(
+                zip(self.placements, self.coordinate, self.mesh_shape, strict=True)
+            )
+            if code == "R" and size > 1
+        ]
+        if across_root:
+            found += [
+                (name, rank, size)
+                for name, rank, size in self.copies
+                if size > 1 and not (tensor_parallel and is_tensor_parallel_dim(name))
+            ]
+        return found
 
 
 def root_mesh(mesh: Any) -> Any:

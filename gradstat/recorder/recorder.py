@@ -407,6 +407,12 @@ class Recorder:
                 "the ranks lack different gradients (None on some ranks only), which the "
                 "norm takes from every rank and the statistics from data-parallel rank 0"
             )
+        if found is not None and megatron_state() is None and found.copies_differ:
+            return (
+                "the copies of a DTensor gradient differ between ranks (a Replicate "
+                "dimension's), which the norm counts by the largest copy and the statistics "
+                "at coordinate 0"
+            )
         return "pass group=, coords= or mesh= so that both count the same copies"
 
     def _measure(self, telemetry: Telemetry, items: list[Any]) -> ParamsAtStep | None:

@@ -40,8 +40,8 @@ import torch.distributed as dist
 from gradstat._cached import cached
 from gradstat.analysis.stats import Request, counts, tensor_piece
 from gradstat.clip_grads import readable_values
-from gradstat.core import kernels, native
-from gradstat.core.groups import AxisPlace, is_dtensor, stats_device, to_local
+from gradstat.core import copies, kernels, native
+from gradstat.core.groups import AxisPlace, copy_group, is_dtensor, stats_device, to_local
 from gradstat.core.kernels import UNDERFLOW_GUARD
 from gradstat.core.replicas import lacking_digest
 from gradstat.errors import GradstatError
@@ -57,9 +57,11 @@ from gradstat.snapshot.writer import check_coords, param_record
 __all__ = ["Layout", "NativeTotal", "ParamsAtStep", "Telemetry"]
 
 _SUMS = 5  # per name: squares, zeros, NaN, Inf, elements
-# After the names' entries: the sums' DTensor squares and failed ranks; the maxima's plain
-# squares, NaN, Inf, out of float64's range, and the lacking digest (and its negation).
-_SUM_EXTRAS = 2
+# After the names' entries: the sums' DTensor squares, the sums that tell whether DTensor
+# copies differ (gradstat.core.copies.moments of one number) and failed ranks; the maxima's
+# plain squares, NaN, Inf, out of float64's range, and the lacking digest (and its negation).
+_MOMENTS = 6
+_SUM_EXTRAS = 2 + _MOMENTS
 _MAX_EXTRAS = 6
 _OUTSIZED = 1e100
 
@@ -105,7 +107,9 @@ class NativeTotal:
     the rows or not (another replica, a copy), holds a NaN or an Inf.
 
     The pass cannot stand for ``total_norm`` where the ranks lack different gradients
-    (``total_norm`` matches replicas by place there) or a sum left float64's range."""
+    (``total_norm`` matches replicas by place there), where a DTensor's copies differ
+    (``total_norm`` counts each shard by its largest copy there) or a sum left float64's
+    range."""
 
     dtensor_squares: float
     plain_squares: float
@@ -113,6 +117,7 @@ class NativeTotal:
     inf: bool
     in_range: bool
     lacking_differs: bool
+    copies_differ: bool = False
 
     def norm(self) -> float | None:
         """The L2 norm ``total_norm`` gives, or None where this pass cannot tell it."""
@@ -120,7 +125,7 @@ class NativeTotal:
             return math.nan
         if self.inf:
             return math.inf
-        if self.lacking_differs or not self.in_range:
+        if self.lacking_differs or self.copies_differ or not self.in_range:
             return None
         return math.sqrt(self.dtensor_squares + self.plain_squares)
 
@@ -187,6 +192,55 @@ def _may_pad(param: RebuiltParam) -> bool:
 def _digest(names: Sequence[str], expert: Sequence[bool]) -> str:
     text = "\0".join(f"{name}\1{int(flag)}" for name, flag in zip(names, expert, strict=True))
     return hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()
+
+
+def _copy_moments(
+    items: Sequence[Any],
+    shards: Sequence[tuple[int, Any]],
+    squares: Sequence[float],
+    held_copies: Sequence[tuple[int, Any]],
+) -> tuple[list[float], float, float]:
+    """What tells whether the copies of this rank's DTensor shards differ from the counted ones
+    (:func:`gradstat.core.copies.moments` of their squares), and whether its copies hold a
+    NaN, an Inf.
+
+    Args:
+        items: the step's items.
+        shards: the counted DTensor gradients, as (place, gradient).
+        squares: each one's sum of squares.
+        held_copies: the DTensor gradients counted elsewhere, as (place, gradient).
+    """
+    groups: dict[Any, copies.CopyGroup] = {}
+    sums: dict[Any, float] = {}
+
+    def group_of(place: int, held: Any) -> Any:
+        tensor_parallel = bool(getattr(items[place], "tensor_model_parallel", False))
+        found = copy_group(held, tensor_parallel)
+        if found is None:
+            return None
+        key, size, is_copy = found
+        groups.setdefault(key, copies.CopyGroup(key, size, is_copy)).places.append(place)
+        return key
+
+    for (place, held), square in zip(shards, squares, strict=True):
+        key = group_of(place, held)
+        if key is not None:
+            sums[key] = sums.get(key, 0.0) + square
+    for place, held in held_copies:
+        key = group_of(place, held)
+        if key is not None:
+            groups[key].tensors.append(to_local(held))
+    nan = inf = 0.0
+    for key, group in groups.items():
+        if group.is_copy:
+            total, scaled, infinite, bad = kernels.norm_partials(
+                group.tensors, 2.0, stats_device(group.tensors, None)
+            ).tolist()
+            nan, inf = nan + bad, inf + infinite
+            sums[key] = math.nan if scaled or infinite or bad else total
+    stats = [torch.tensor(sums.get(key, 0.0), dtype=torch.float64) for key in groups]
+    _, told = copies.moments(list(groups.values()), stats, torch.Size(), torch.device("cpu"))
+    return told.tolist(), nan, inf
 
 
 class Telemetry:
@@ -388,18 +442,20 @@ class Telemetry:
             return None
         self._said_failed = False
         plain, nan, inf, out_of_range, digest, negated = maxed[width:]
+        extras = width * _SUMS
         self.native_total = NativeTotal(
-            dtensor_squares=summed[-2],
+            dtensor_squares=summed[extras],
             plain_squares=plain,
             nan=bool(nan),
             inf=bool(inf),
             in_range=not (outsized or out_of_range),
             lacking_differs=digest != -negated,
+            copies_differ=copies.differ(summed[extras + 1 : extras + 1 + _MOMENTS]),
         )
-        copies = None
+        uncounted = None
         if nan or inf:  # decided from reduced values: every rank joins, or none
-            copies = self._reduced(self._copies_nonfinite(local, items), dist.ReduceOp.MAX)
-        return self._result(summed, maxed[:width], scales, copies)
+            uncounted = self._reduced(self._copies_nonfinite(local, items), dist.ReduceOp.MAX)
+        return self._result(summed, maxed[:width], scales, uncounted)
 
     def _copies_nonfinite(self, local: _Local, items: Sequence[Any]) -> list[float]:
         """Per agreed name, the NaN and then the Inf elements of this rank's uncounted copies
@@ -427,7 +483,7 @@ class Telemetry:
         :class:`NativeTotal` needs of all its gradients into their extra entries; each counted
         tensor's slot and L2 norm."""
         width = len(self.layout.names)
-        grads, plain = [], []
+        grads, plain, shards = [], [], []
         for position, param, _ in local.counted:
             held = self.gradients.gradient(items[position])
             grad = to_local(held)
@@ -439,8 +495,11 @@ class Telemetry:
                 )
             grads.append(grad if grad.layout == torch.strided else grad.to_dense())
             plain.append(not is_dtensor(held))
-        others, rank_sums = self._uncounted(local, items)
+            if not plain[-1]:
+                shards.append((position, held))
+        others, rank_sums, held_copies = self._uncounted(local, items)
         norms: list[tuple[int, float]] = []
+        shard_squares: list[float] = []  # each counted tensor's, DTensor or not
         squares = {True: 0.0, False: 0.0}  # plain or not: each counted tensor's squares
         device = grads[0].device if grads else torch.device("cpu")
         request = Request.make((2.0, math.inf), zeros=True, device=device)
@@ -457,6 +516,7 @@ class Telemetry:
                 maxima[slot] = max(maxima[slot], fused.max_abs)
                 norms.append((slot, math.sqrt(fused.sum_squares)))
                 squares[is_plain] += fused.sum_squares
+                shard_squares.append(fused.sum_squares)
                 continue
             param.grad = grad
             found = tensor_piece(local.live, param, grad, request, fused)
@@ -473,18 +533,29 @@ class Telemetry:
             norms.append((slot, norm))
             if math.isfinite(norm):
                 squares[is_plain] += norm * norm
+            shard_squares.append(norm * norm)
             # A NaN is counted, not maximised: MAX over ranks does not propagate it.
             if found.max_abs is not None and not math.isnan(found.max_abs):
                 maxima[slot] = max(maxima[slot], found.max_abs)
         sums[width * _SUMS] = squares[False]
+        counted = [
+            square for square, is_plain in zip(shard_squares, plain, strict=True) if not is_plain
+        ]
+        told, nan, inf = _copy_moments(items, shards, counted, held_copies)
+        sums[width * _SUMS + 1 : width * _SUMS + 1 + _MOMENTS] = told
         rank_sums[0] += squares[True]
+        rank_sums[1] += nan
+        rank_sums[2] += inf
         maxima[width:] = [*rank_sums, others, -others]
         return norms
 
-    def _uncounted(self, local: _Local, items: Sequence[Any]) -> tuple[float, list[float]]:
-        """The lacking digest of this rank's list, and its uncounted plain gradients' squares,
-        NaN, Inf and out-of-range flags (:class:`NativeTotal`: total_norm reads them all)."""
-        lacking, grads, copies = [], [], []
+    def _uncounted(
+        self, local: _Local, items: Sequence[Any]
+    ) -> tuple[float, list[float], list[tuple[int, Any]]]:
+        """The lacking digest of this rank's list, its uncounted plain gradients' squares,
+        NaN, Inf and out-of-range flags (:class:`NativeTotal`: total_norm reads them all), and
+        its DTensor copies counted elsewhere with their places."""
+        lacking, grads, held_copies = [], [], []
         for position in local.uncounted:
             item = items[position]
             held = self.gradients.gradient(item)
@@ -493,18 +564,14 @@ class Telemetry:
                     lacking.append(position)
             elif not is_dtensor(held):
                 grads.append(readable_values(held, f"gradient {position}")[0])
-            else:  # a DTensor copy counted on another rank: total_norm reads its NaN and Inf
-                copies.append(to_local(held))
+            else:  # a DTensor copy counted on another rank: total_norm reads it too
+                held_copies.append((position, held))
         found = [0.0, 0.0, 0.0, 0.0]
         if grads:
             device = stats_device(grads, None)
             total, scaled, inf, nan = kernels.norm_partials(grads, 2.0, device).tolist()
             found = [total, nan, inf, scaled]
-        if copies:
-            flags = kernels.norm_partials(copies, 2.0, stats_device(copies, None)).tolist()
-            found[1] += flags[3]
-            found[2] += flags[2]
-        return lacking_digest(len(items), lacking), found
+        return lacking_digest(len(items), lacking), found, held_copies
 
     @staticmethod
     def _reduced(values: list[float], op: Any) -> list[float]:
