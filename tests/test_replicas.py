@@ -224,7 +224,8 @@ def _recorded(rank: int, _world_size: int, arg: tuple[str, str]) -> dict[str, An
     1 only from step 3 (after the statistics' pass agreed with total_norm at steps 1 and 2)."""
     kind, directory = arg
     model = _model()
-    recorder = gradstat.Recorder(model, directory, spike=None, steps=[5] if kind == "apart" else [])
+    listed = {"apart": [5], "spike": [4]}.get(kind, [])
+    recorder = gradstat.Recorder(model, directory, spike=None, steps=listed)
     passes = []
     counted = recorder._gradients.norm
 
@@ -296,6 +297,37 @@ def test_a_snapshot_taken_for_a_nan_on_an_uncounted_replica_says_so(two_ranks: A
     assert _close(report["total_norm"], _replica_norms(3, False))
     text = run_gradstat("norm", snapshot)
     assert text.returncode == 1 and "yet every counted copy is finite" in text.stdout
+
+
+@pytest.mark.parametrize("kind", ["spike", "apart"])
+def test_gradstat_norm_of_a_recorded_snapshot_says_where_the_recorders_norm_differs(
+    two_ranks: Any, kind: str
+) -> None:
+    """A snapshot counts data-parallel rank 0's replica, the recorder's norm the largest: the
+    spike on rank 1 was in the recorder's norm and not in the snapshot's, which printed a calm
+    norm with status 0. Replicas that lack different gradients agree with it (their union)."""
+    import json
+
+    from gradstat.recorder import complete_snapshots
+    from tests._cli import run_gradstat
+
+    root, report = two_ranks
+    (step, snapshot), *_ = complete_snapshots(root / kind)
+    recorded = report.values("spike on rank 1" if kind == "spike" else "recorder apart")[0]
+    done = run_gradstat("norm", snapshot, "--json")
+    found = json.loads(done.stdout)
+    assert _close(found["recorded_norm"], recorded["norms"][step - 1])
+    if kind == "apart":
+        assert done.returncode == 0 and found["recorded_norm_differs"] is False, done.stdout
+        assert _close(found["total_norm"], recorded["norms"][step - 1])
+        return
+    assert done.returncode == 1 and found["recorded_norm_differs"] is True, done.stdout
+    assert _close(found["total_norm"], _replica_norms(step, False))
+    assert _close(found["recorded_norm"], _replica_norms(step, True))
+    text = run_gradstat("norm", snapshot, "--norm-type", "1")
+    assert text.returncode == 0, text.stdout  # the recorder took an L2 norm: nothing to compare
+    text = run_gradstat("norm", snapshot)
+    assert text.returncode == 1 and "flight recorder's norm of this step" in text.stdout
 
 
 def test_a_spike_on_one_replica_is_the_norm_and_one_pass_serves(two_ranks: Any) -> None:

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from gradstat.snapshot.format import RankHeader
 from gradstat.snapshot import Snapshot, SnapshotShare
 from gradstat.snapshot.dcp import is_dcp_directory
-from gradstat.snapshot.format import is_wgrads_name
+from gradstat.snapshot.format import is_wgrads_name, recorded_norm
 
 __all__ = [
     "ZEROS_ORDERS",
@@ -211,6 +211,8 @@ class NormReport:
     # Per expert (``--by expert``), by contribution; None unless asked (absent from the JSON).
     by_expert: tuple[ExpertNormRow, ...] | None = None
     experts_left_out: int = 0  # expert rows cut by ``top``
+    # The flight recorder's norm of the step, of this norm type, where it took the snapshot.
+    recorded_norm: float | None = None
 
     @property
     def all_zero(self) -> bool:
@@ -229,11 +231,28 @@ class NormReport:
             and math.isfinite(self.total_norm)
         )
 
+    @property
+    def recorded_norm_differs(self) -> bool:
+        """The flight recorder's norm of the step is not the snapshot's: it counts every copy
+        (the largest data-parallel replica, each DTensor shard's largest copy) where a snapshot
+        counts one, so a copy the snapshot does not count differs (``gradstat audit`` names
+        it); or the recorder and the snapshot were told of different parallel layouts."""
+        recorded, total = self.recorded_norm, self.total_norm
+        if recorded is None or (math.isnan(recorded) and math.isnan(total)):
+            return False
+        if recorded == total:
+            return False
+        return not (math.isfinite(recorded) and abs(recorded - total) <= 1e-6 * abs(recorded))
+
     def to_json(self) -> dict[str, Any]:
         data = as_dict(self)
         data["norm_type"] = json_number(self.norm_type)
         data["all_zero"] = self.all_zero
         data["nonfinite_not_counted"] = self.nonfinite_not_counted
+        data["recorded_norm"] = (
+            None if self.recorded_norm is None else json_number(self.recorded_norm)
+        )
+        data["recorded_norm_differs"] = self.recorded_norm_differs
         _drop_unasked(data)
         return dict(data)
 
@@ -323,6 +342,7 @@ def norm_report(
         has_experts=any(param.expert for param in stats.params),
         by_expert=None if experts is None else tuple(experts if top is None else experts[:top]),
         experts_left_out=0 if experts is None or top is None else max(len(experts) - top, 0),
+        recorded_norm=recorded_norm(snapshot.directory, norm_type),
     )
 
 

@@ -704,7 +704,8 @@ def norm(
     shown = top if as_json else (top or 20)
     report = norm_report(snapshot, stats, p, max_norm, shown, per_expert)
     _emit(as_json, report.to_json(), lambda console: print_norm(console, report))
-    if report.nonfinite or report.all_zero or report.nonfinite_not_counted:
+    findings = (report.nonfinite, report.all_zero, report.nonfinite_not_counted)
+    if any(findings) or report.recorded_norm_differs:
         raise typer.Exit(EXIT_FINDINGS)
 
 

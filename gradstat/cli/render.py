@@ -139,6 +139,12 @@ ALL_ZERO = (
 )
 
 
+RECORDED_NORM_DIFFERS = (
+    "[bold red]the flight recorder's norm of this step was {recorded}[/]: it counts every copy "
+    "(each data-parallel replica, each DTensor copy) where the snapshot counts one, so a copy "
+    "it does not count differs (gradstat audit names it), or the recorder was told another "
+    "layout"
+)
 NONFINITE_NOT_COUNTED = (
     "[bold red]taken for a non-finite norm, yet every counted copy is finite[/]: a copy the "
     "norm does not count (another data-parallel replica) holds the NaN or Inf; gradstat audit "
@@ -217,6 +223,8 @@ def print_norm(console: Console, report: NormReport) -> None:
         _print_table(console, found)
     if report.nonfinite_not_counted:
         console.print(NONFINITE_NOT_COUNTED)
+    if report.recorded_norm_differs and report.recorded_norm is not None:
+        console.print(RECORDED_NORM_DIFFERS.format(recorded=_number(report.recorded_norm)))
     if report.all_zero:
         console.print(ALL_ZERO)
 

@@ -338,7 +338,9 @@ class Recorder:
             warn(f"step {number}: {why}")
             if logged is not None and before["logged_top"] == -before["logged_low"]:
                 explained = self._explainer(number, logged)
-        snapshot = self._snapshot(number, triggers, repeat, low, top, before["busy"], explained)
+        snapshot = self._snapshot(
+            number, triggers, repeat, (low, top, before["busy"]), explained, norm
+        )
         self.records.append(StepRecord(number, norm, triggers, snapshot, logged))
         if self._log is not None:
             mask = sum(1 << TRIGGERS.index(name) for name in triggers)
@@ -493,12 +495,15 @@ class Recorder:
         step: int,
         triggers: tuple[str, ...],
         repeat: int,
-        low: int,
-        top: int,
-        busy: int,
+        agreed: tuple[int, int, int],
         on_complete: Callable[[Path], None] | None = None,
+        norm: float | None = None,
     ) -> Path | None:
-        """The step's snapshot, when its triggers fired and every rank can take it."""
+        """The step's snapshot, when its triggers fired and every rank can take it.
+
+        ``agreed``: the lowest and highest step of the ranks, and whether one is still writing;
+        ``norm``: the step's norm, noted in the snapshot."""
+        low, top, busy = agreed
         if low != top and not self._said_steps_differ:
             self._said_steps_differ = True
             warn(
@@ -533,4 +538,5 @@ class Recorder:
             self._dump_options,
             started,
             on_complete,
+            None if norm is None else (float(self.norm_type), norm),
         )

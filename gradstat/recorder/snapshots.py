@@ -24,7 +24,7 @@ from gradstat.errors import SnapshotError
 from gradstat.recorder.messages import warn
 from gradstat.recorder.triggers import ROUTINE_TRIGGERS
 from gradstat.snapshot.capture import dump_rank
-from gradstat.snapshot.format import FILE_PATTERN
+from gradstat.snapshot.format import FILE_PATTERN, RECORDER_MARKER
 from gradstat.snapshot.reader import open_rank_file
 
 __all__ = ["Snapshots", "complete_snapshots", "snapshot_name"]
@@ -32,7 +32,7 @@ __all__ = ["Snapshots", "complete_snapshots", "snapshot_name"]
 _ABANDONED = ".abandoned-rank-{rank:05d}"
 _COMPLETE = re.compile(r"^step-(\d+)(?:\.(\d+))?$")
 _PARTIAL = re.compile(r"^\.step-\d+\.(?:([0-9a-f]+)-\d+\.)?partial$")
-_MARKER = ".recorder.json"
+_MARKER = RECORDER_MARKER
 # The names of the snapshots retention removed, one a line: never given to another snapshot,
 # since a log record of an earlier run may name one.
 _REMOVED = ".removed-snapshots"
@@ -190,6 +190,7 @@ class Snapshots:
         options: Mapping[str, Any],
         on_write: Callable[[], None],
         on_complete: Callable[[Path], None] | None = None,
+        norm: tuple[float, float] | None = None,
     ) -> Path | None:
         """Write this rank's file (rank 0 then finalizes) on a thread, and wait for it at most
         ``max_dump_s``: past that, training goes on and the snapshot is abandoned, marked so
@@ -198,6 +199,8 @@ class Snapshots:
         ``on_complete`` is called on rank 0's thread with the snapshot once it is complete.
 
         ``options`` go to :func:`dump_rank`; ``on_write`` is called as the write starts.
+        ``norm``: the recorder's norm of the step, as (norm type, norm), noted beside the
+        triggers (``gradstat norm`` of the snapshot compares its own with it).
         """
         self._dumps += 1
         on_write()
@@ -218,7 +221,12 @@ class Snapshots:
                 if rank == 0 and self._wait_for_all(partial, world_size):
                     if any(partial.glob(".abandoned-rank-*")):
                         return  # a rank gave up waiting for its write: its file may be torn
-                    marker = {"triggers": list(triggers), "written_ns": time.time_ns()}
+                    marker: dict[str, Any] = {
+                        "triggers": list(triggers),
+                        "written_ns": time.time_ns(),
+                    }
+                    if norm is not None:
+                        marker["norm"] = {"type": norm[0], "value": norm[1]}
                     (partial / _MARKER).write_text(json.dumps(marker))
                     os.rename(partial, final)
                     self._trim(set(triggers) <= ROUTINE_TRIGGERS, self.keep)

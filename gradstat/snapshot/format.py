@@ -728,3 +728,21 @@ def _parse_dtensor(mesh: _Fields) -> MeshPlacement:
     if offset is not None and len(offset) != len(record.global_shape):
         raise mesh.fail("global_offset and global_shape differ in length")
     return record
+
+
+# The flight recorder's note in a snapshot it took: why, when, and its norm of the step.
+RECORDER_MARKER = ".recorder.json"
+
+
+def recorded_norm(directory: Path, norm_type: float) -> float | None:
+    """The flight recorder's norm of the snapshot's step, of ``norm_type``, from the note it
+    leaves in a snapshot it took; None where there is none (a snapshot taken by hand, another
+    norm type, a note it could not read)."""
+    try:
+        note = json.loads((directory / RECORDER_MARKER).read_text())
+        found = note["norm"]
+        if float(found["type"]) != float(norm_type):
+            return None
+        return float(found["value"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
