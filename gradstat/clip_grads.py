@@ -613,7 +613,12 @@ def _native_reduce(
             return torch.maximum(plain, mesh) if is_max else plain + mesh
         parts = [mesh.reshape(-1)]
         if not is_max:
-            stats = [compute(group.tensors, native.device) for group in native.groups]
+            # Each shard's own statistic (a sum's parts add up): no difference in one shard
+            # cancels another's.
+            stats = [
+                torch.stack([compute([tensor], native.device) for tensor in group.tensors])
+                for group in native.groups
+            ]
             counted, found = copies.moments(native.groups, stats, mesh.shape, mesh.device)
             parts += [counted.reshape(-1), found.reshape(-1)]
         flags = [native.problem is not None, bool(native.lacking)]
@@ -634,9 +639,7 @@ def _native_reduce(
         mesh = world[:width].reshape(mesh.shape)
         if not is_max:
             if copies.differ(world[2 * width : told].tolist()):
-                mesh = mesh + copies.largest_copies(
-                    native.groups, compute, mesh.shape, native.device
-                )
+                mesh = mesh + copies.largest_copies(native.groups, stats, mesh.shape, native.device)
             else:
                 mesh = mesh + world[width : 2 * width].reshape(mesh.shape)
         if group is None and lacked and native.per_place is None:

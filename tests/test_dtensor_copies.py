@@ -29,19 +29,41 @@ _STEPS = (1, 2, 3, 4)
 
 def _full(name: str, step: int) -> torch.Tensor:
     """The gradient every copy of ``name`` holds at ``step`` (a zero in each)."""
-    salt = {"w": 1, "v": 2, "b": 3}[name]
+    salt = {"w": 1, "v": 2, "b": 3, "u": 5, "f": 6}[name]
     values = torch.arange(1, 9, dtype=torch.float32) * salt * step / 7
     values[0] = 0.0
     return values.reshape(4, 2)
 
 
+_NAMES = ("w", "u", "v", "f", "b")
+
+
+def _shard_of(name: str, rank: int) -> int:
+    """Which shard of ``name`` a rank holds: ``w`` and ``u`` are Shard(0) over the second mesh
+    dimension (copies over the first), ``v`` Shard(0) on the first dimension's slice (copies
+    over the second), ``f`` Replicate on the flattened mesh (a copy on every rank), ``b``
+    plain."""
+    first, second = divmod(rank, 2)
+    return {"w": second, "u": second, "v": first}.get(name, 0)
+
+
 def _local(case: str, name: str, rank: int, step: int) -> torch.Tensor | None:
-    """What ``rank`` holds of ``name`` at ``step``: its shard (``w``: Shard(0) over the second
-    mesh dimension, a copy over the first; ``v``: on the first dimension's slice, a copy
-    over the second; ``b``: plain), spiked or missing where the case says."""
+    """What ``rank`` holds of ``name`` at ``step``: its shard (:func:`_shard_of`), spiked,
+    swapped or missing where the case says."""
     first, second = divmod(rank, 2)
     full = _full(name, step)
-    local = full if name == "b" else full.chunk(2)[second if name == "w" else first].clone()
+    local = full.chunk(2)[_shard_of(name, rank)].clone() if name in "wuv" else full.clone()
+    if step >= 2 and case == "swap" and name in "wu" and rank == 3:
+        # Rank 3's copies of w and u hold each other's values (replicas that reduced into
+        # the wrong parameters): sums over the copies are unchanged.
+        return _full("u" if name == "w" else "w", step).chunk(2)[1].clone()
+    if step >= 2 and case == "zeros cancel" and rank == 2:
+        if name == "w":
+            local[0, 1] = 0.0  # one zero more in this copy of w ...
+        elif name == "u":
+            local[0, 0] = 5.0  # ... and one fewer in this copy of u
+    if step >= 2 and case == "flat spike" and name == "f" and rank == 2:
+        local = local * 1000.0
     if step >= 2 and case == "spike" and name == "w" and (first, second) == (1, 1):
         local = local * 1000.0  # replica group 1's copy of shard 1
     if step >= 2 and case == "slice spike" and name == "v" and (first, second) == (0, 1):
@@ -57,11 +79,10 @@ def _pieces(case: str, step: int) -> list[list[torch.Tensor]]:
     """Every shard of the job, as the copies the ranks hold of it."""
     found: dict[tuple[str, int], list[torch.Tensor]] = {}
     for rank in range(_WORLD):
-        first, second = divmod(rank, 2)
-        for name, shard in (("w", second), ("v", first), ("b", 0)):
+        for name in _NAMES:
             local = _local(case, name, rank, step)
             if local is not None:
-                found.setdefault((name, shard), []).append(local.double())
+                found.setdefault((name, _shard_of(name, rank)), []).append(local.double())
     return list(found.values())
 
 
@@ -73,7 +94,7 @@ def _expected(case: str, step: int, p: float) -> float:
         max(math.fsum(abs(float(x)) ** p for x in copy.flatten()) for copy in held)
         for held in pieces
     ]
-    return math.fsum(sums) ** (1.0 / p)
+    return float(math.fsum(sums) ** (1.0 / p))
 
 
 def _expected_zeros(case: str, step: int) -> int:
@@ -86,15 +107,25 @@ def _run(rank: int, world_size: int, arg: tuple[str, str]) -> dict[str, Any]:
 
     case, directory = arg
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    w_place, v_mesh = [Replicate(), Shard(0)], mesh["dp"]
+    flat = mesh["dp", "tp"]._flatten("world")
+    places: dict[str, tuple[Any, list[Any]]] = {
+        "w": (mesh, [Replicate(), Shard(0)]),
+        "u": (mesh, [Replicate(), Shard(0)]),
+        "v": (mesh["dp"], [Shard(0)]),
+        "f": (flat, [Replicate()]),
+    }
 
-    def dtensor(local: torch.Tensor, on: Any, placements: list[Any]) -> Any:
+    def grad_of(name: str, local: torch.Tensor | None) -> Any:
+        if local is None or name not in places:
+            return local
+        on, placements = places[name]
         return DTensor.from_local(local, on, placements, run_check=False)
 
-    w = torch.nn.Parameter(dtensor(_full("w", 1).chunk(2)[0], mesh, w_place))
-    v = torch.nn.Parameter(dtensor(_full("v", 1).chunk(2)[0], v_mesh, [Shard(0)]))
-    b = torch.nn.Parameter(torch.zeros(4, 2))
-    recorder = gradstat.Recorder([("w", w), ("v", v), ("b", b)], directory, spike=None)
+    params = {
+        name: torch.nn.Parameter(grad_of(name, _local("agree", name, rank, 1)).detach())
+        for name in _NAMES
+    }
+    recorder = gradstat.Recorder(list(params.items()), directory, spike=None)
     gathered = []
     largest = copies.largest_copies
 
@@ -102,22 +133,36 @@ def _run(rank: int, world_size: int, arg: tuple[str, str]) -> dict[str, Any]:
         gathered.append(len(recorder.records))
         return largest(*args, **kwargs)
 
-    copies.largest_copies = counted_largest  # type: ignore[assignment]
+    copies.largest_copies = counted_largest
     found: dict[str, Any] = {"norms": [], "zeros": [], "recorder": [], "gathered": gathered}
+    listed = list(params.values())
     for step in _STEPS:
-        held = {name: _local(case, name, rank, step) for name in ("w", "v", "b")}
-        w.grad = None if held["w"] is None else dtensor(held["w"], mesh, w_place)
-        v.grad = None if held["v"] is None else dtensor(held["v"], v_mesh, [Shard(0)])
-        b.grad = held["b"]
+        for name, param in params.items():
+            param.grad = grad_of(name, _local(case, name, rank, step))
         found["recorder"].append(recorder.step(step))
-        found["norms"].append([gradstat.total_norm([w, v, b], p) for p in _PS])
-        found["zeros"].append(gradstat.total_zeros([w, v, b]))
+        found["norms"].append([gradstat.total_norm(listed, p) for p in _PS])
+        found["zeros"].append(gradstat.total_zeros(listed))
     recorder.wait()
-    copies.largest_copies = largest  # type: ignore[assignment]
+    copies.largest_copies = largest
     return found
 
 
-_CASES = ("agree", "spike", "slice spike", "none at 0")
+_CASES = ("agree", "spike", "slice spike", "none at 0", "swap", "zeros cancel", "flat spike")
+
+
+# Per rank, its copy of a float64 gradient of four replicas, in units of 2**260: the copies'
+# sums of squares (8, 10, 6, 8 units squared) add up to three times the first's, and their
+# squares overflow float64.
+_HUGE = ([2.0, 2.0, 0.0], [3.0, 1.0, 0.0], [2.0, 1.0, 1.0], [2.0, 2.0, 0.0])
+
+
+def _huge(rank: int, world_size: int, _arg: Any) -> float:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    local = torch.tensor(_HUGE[rank], dtype=torch.float64) * 2.0**260
+    return gradstat.total_norm([DTensor.from_local(local, mesh, [Replicate()], run_check=False)])
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +170,7 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Any:
     root = tmp_path_factory.mktemp("copies")
     (root / "run").mkdir()
     cases = [Case(case, _run, (case, str(root / case.replace(" ", "-")))) for case in _CASES]
+    cases.append(Case("huge", _huge))
     return launch(_WORLD, root / "run", cases, timeout_s=200)
 
 
@@ -164,3 +210,12 @@ def test_the_spike_changes_the_norm_it_was_hidden_from() -> None:
     at_zero = math.sqrt(sum(float((_full(n, step).double() ** 2).sum()) for n in ("w", "v", "b")))
     assert _expected("spike", step, 2.0) > 100 * at_zero
     assert _expected("slice spike", step, 2.0) > 100 * at_zero
+
+
+def test_copies_whose_squares_overflow_are_still_told_apart(four_ranks: Any) -> None:
+    """Sums over the copies agree and their squares leave float64: the largest copy, sqrt(10)
+    units, was given as the first's, sqrt(8)."""
+    largest = max(math.fsum(x * x for x in copy) for copy in _HUGE)
+    expected = math.sqrt(largest) * 2.0**260
+    for norm in four_ranks.values("huge"):
+        assert _close(norm, expected), (norm, expected)

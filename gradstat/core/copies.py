@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gradstat.core.placements import MeshPlacement
+from gradstat.core.placements import MeshPlacement, root_mesh
 
 __all__ = ["CopyGroup", "copy_group_key", "differ", "largest_copies", "moments"]
 
@@ -58,32 +58,51 @@ class CopyGroup:
 
 
 def copy_group_key(
-    place: MeshPlacement, root: Any, root_key: Any, tensor_parallel: bool
+    place: MeshPlacement, mesh: Any, root_key: Any, tensor_parallel: bool
 ) -> tuple[GroupKey, int, bool] | None:
     """The group of a DTensor shard with copies on other ranks: its key (equal on every copy
     of the shard, distinct for any other shard), the number of copies and whether this one is
     counted elsewhere; None when no other rank holds a copy.
 
+    The key is the set of ranks that hold the copies, read off the meshes themselves: a
+    flattened mesh dimension, or a slice's, names no dimension of the root, but its ranks are
+    the same on every copy.
+
     Args:
         place: where the shard lies (:func:`gradstat.core.placements.describe`).
-        root: the root mesh of the shard's mesh.
-        root_key: an identity of ``root`` that every rank computes alike.
+        mesh: the shard's own mesh.
+        root_key: an identity of its root mesh that every rank computes alike.
         tensor_parallel: the parameter is Megatron tensor-parallel (a TP dimension splits it).
     """
     dims = place.copy_dims(tensor_parallel)
     if not dims:
         return None
-    copied = frozenset(name for name, _, _ in dims)
-    names = root.mesh_dim_names or tuple(f"dim {dim}" for dim in range(root.ndim))
-    coordinate = root.get_coordinate()
-    held_at = tuple(
-        -1 if name in copied else int(index) for name, index in zip(names, coordinate, strict=True)
+    holders = _holders(place, mesh, {name for name, _, _ in dims})
+    return (root_key, holders), len(holders), any(index for _, index, _ in dims)
+
+
+def _holders(place: MeshPlacement, mesh: Any, copied: set[str]) -> tuple[int, ...]:
+    """The ranks that hold a copy of the shard (this one included), in rank order: those of
+    its mesh along its copy dimensions, each spread along the root's copy dimensions."""
+    line = tuple(
+        slice(None) if place.dim_name(dim) in copied else index
+        for dim, index in enumerate(place.coordinate)
     )
-    key = (root_key, tuple(sorted(copied)), held_at)
-    return key, math.prod(size for _, _, size in dims), any(index for _, index, _ in dims)
-
-
-Compute = Callable[[list[Tensor], torch.device], Tensor]
+    ranks = set(mesh.mesh[line].flatten().tolist())
+    root = root_mesh(mesh)
+    names = root.mesh_dim_names or ()
+    for dim, name in enumerate(names):
+        if name not in copied or name in (mesh.mesh_dim_names or ()):
+            continue
+        grid = root.mesh
+        spread = set()
+        for rank in ranks:
+            at = [int(index) for index in (grid == rank).nonzero()[0]]
+            for position in range(grid.shape[dim]):
+                at[dim] = position
+                spread.add(int(grid[tuple(at)]))
+        ranks = spread
+    return tuple(sorted(ranks))
 
 
 def moments(
@@ -96,31 +115,33 @@ def moments(
 
     Args:
         groups: this rank's groups.
-        stats: each group's statistic, of ``shape``.
+        stats: per group, its shards' statistics, stacked (``(len(group.tensors), *shape)``).
         shape: the statistic's shape.
         device: where the sums live.
 
     Returns:
-        The sum of ``compute`` over this rank's counted groups, and a flat tensor of two
+        The sum of the statistics of this rank's counted groups, and a flat tensor of two
         halves: over the copy groups, then over the counted groups each times the number of
-        other copies: the statistic and its square, each weighted by a number drawn from the
-        group's key (so that differences in two groups do not cancel), and the weights of the
-        places the groups hold (so that a shard missing here and another there do not
+        other copies: each shard's statistic and its square root, weighted by a number drawn
+        from the shard's group and place (so that differences in two shards do not cancel),
+        and the weights themselves (so that a shard missing here and another there do not
         cancel). Summed over the ranks, the halves agree where every copy equals the counted.
     """
     counted = torch.zeros(shape, dtype=torch.float64, device=device)
     found = torch.zeros((2, 2, *shape), dtype=torch.float64, device=device)
     held = [0.0, 0.0]
-    for group, found_here in zip(groups, stats, strict=True):
-        stat = found_here.to(torch.float64)
+    for group, each in zip(groups, stats, strict=True):
+        values = each.to(device=device, dtype=torch.float64)
         side, times = (0, 1) if group.is_copy else (1, group.size - 1)
         if not group.is_copy:
-            counted += stat
+            counted += values.sum(0)
         digest = hash_key(group.key)
-        weight = times * _draw(digest)
-        found[side, 0] += weight * stat
-        found[side, 1] += weight * stat * stat
-        held[side] += times * math.fsum(_draw(_mix(digest, place)) for place in group.places)
+        drawn = [times * _draw(_mix(digest, place)) for place in group.places]
+        weights = torch.tensor(drawn, dtype=torch.float64, device=device)
+        weights = weights.reshape(-1, *([1] * len(shape)))
+        found[side, 0] += (weights * values).sum(0)
+        found[side, 1] += (weights * values.abs().sqrt()).sum(0)
+        held[side] += math.fsum(drawn)
     halves = [found[side].reshape(-1) for side in (0, 1)]
     places = torch.tensor(held, dtype=torch.float64, device=device)
     return counted, torch.cat([halves[0], places[:1], halves[1], places[1:]])
@@ -149,29 +170,30 @@ def _draw(digest: int) -> float:
 
 def differ(found: Sequence[float]) -> bool:
     """Whether :func:`moments`' sums (reduced over the ranks) say some copy differs from the
-    one counted."""
+    one counted. A sum past float64's range tells nothing, so it counts as a difference (the
+    exact way is then taken)."""
     half = len(found) // 2
     for ours, theirs in zip(found[:half], found[half:], strict=True):
-        if math.isnan(ours) or math.isnan(theirs):
-            return True
-        if abs(ours - theirs) > _TOLERANCE * max(abs(ours), abs(theirs)):
+        gap = abs(ours - theirs)
+        if not math.isfinite(gap) or gap > _TOLERANCE * max(abs(ours), abs(theirs)):
             return True
     return False
 
 
 def largest_copies(
-    groups: Sequence[CopyGroup], compute: Compute, shape: torch.Size, device: torch.device
+    groups: Sequence[CopyGroup], stats: Sequence[Tensor], shape: torch.Size, device: torch.device
 ) -> Tensor:
     """The statistic of every shard with copies, each counted by its largest copy (a NaN by
     the NaN): a collective over the default group, which every rank calls.
 
-    Each rank sends each of its shards' statistic under the shard's group key and place in the
-    list; a shard held nowhere at coordinate 0 (a gradient missing there) counts by a copy.
+    Each rank sends each of its shards' statistic (``stats`` as :func:`moments` takes them)
+    under the shard's group key and place in the list; a shard held nowhere at coordinate 0 (a
+    gradient missing there) counts by a copy.
     """
     mine = []
-    for group in groups:
-        for place, tensor in zip(group.places, group.tensors, strict=True):
-            mine.append(((group.key, place), compute([tensor], device).flatten().tolist()))
+    for group, each in zip(groups, stats, strict=True):
+        rows = each.reshape(len(group.places), -1).tolist()
+        mine += [((group.key, place), row) for place, row in zip(group.places, rows, strict=True)]
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     largest: dict[Any, list[float]] = {}

@@ -290,9 +290,9 @@ def copy_group(
     """
     dtensor = _as_dtensor(grad)
     assert dtensor is not None, "a DTensor's copies"
-    root = root_mesh(dtensor.device_mesh)
+    mesh = dtensor.device_mesh
     described = describe(dtensor) if place is None else place
-    return copy_group_key(described, root, _mesh_key(root), tensor_parallel)
+    return copy_group_key(described, mesh, _mesh_key(root_mesh(mesh)), tensor_parallel)
 
 
 def group_ranks(group: Any, *, default_world: bool) -> frozenset[int]:

@@ -201,8 +201,8 @@ def _copy_moments(
     held_copies: Sequence[tuple[int, Any]],
 ) -> tuple[list[float], float, float]:
     """What tells whether the copies of this rank's DTensor shards differ from the counted ones
-    (:func:`gradstat.core.copies.moments` of their squares), and whether its copies hold a
-    NaN, an Inf.
+    (:func:`gradstat.core.copies.moments` of each one's squares), and whether its copies hold
+    a NaN, an Inf.
 
     Args:
         items: the step's items.
@@ -211,34 +211,33 @@ def _copy_moments(
         held_copies: the DTensor gradients counted elsewhere, as (place, gradient).
     """
     groups: dict[Any, copies.CopyGroup] = {}
-    sums: dict[Any, float] = {}
+    values: dict[Any, list[float]] = {}
 
-    def group_of(place: int, held: Any) -> Any:
+    def add(place: int, held: Any, square: float | None) -> None:
         tensor_parallel = bool(getattr(items[place], "tensor_model_parallel", False))
         found = copy_group(held, tensor_parallel)
         if found is None:
-            return None
+            return
         key, size, is_copy = found
-        groups.setdefault(key, copies.CopyGroup(key, size, is_copy)).places.append(place)
-        return key
+        group = groups.setdefault(key, copies.CopyGroup(key, size, is_copy))
+        group.places.append(place)
+        group.tensors.append(to_local(held))
+        values.setdefault(key, []).append(math.nan if square is None else square)
 
     for (place, held), square in zip(shards, squares, strict=True):
-        key = group_of(place, held)
-        if key is not None:
-            sums[key] = sums.get(key, 0.0) + square
+        add(place, held, square)
     for place, held in held_copies:
-        key = group_of(place, held)
-        if key is not None:
-            groups[key].tensors.append(to_local(held))
+        add(place, held, None)
     nan = inf = 0.0
     for key, group in groups.items():
-        if group.is_copy:
-            total, scaled, infinite, bad = kernels.norm_partials(
-                group.tensors, 2.0, stats_device(group.tensors, None)
-            ).tolist()
+        if not group.is_copy:
+            continue
+        device = stats_device(group.tensors, None)
+        for index, tensor in enumerate(group.tensors):
+            total, scaled, infinite, bad = kernels.norm_partials([tensor], 2.0, device).tolist()
             nan, inf = nan + bad, inf + infinite
-            sums[key] = math.nan if scaled or infinite or bad else total
-    stats = [torch.tensor(sums.get(key, 0.0), dtype=torch.float64) for key in groups]
+            values[key][index] = math.nan if scaled or infinite or bad else total
+    stats = [torch.tensor(values[key], dtype=torch.float64) for key in groups]
     _, told = copies.moments(list(groups.values()), stats, torch.Size(), torch.device("cpu"))
     return told.tolist(), nan, inf
 
