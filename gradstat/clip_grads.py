@@ -139,7 +139,9 @@ def readable_values(grad: Tensor, label: str) -> tuple[Tensor, int]:
 
     A strided tensor (or DTensor) is itself. A sparse one (COO, CSR, CSC, BSR, BSC) is the
     values of its coalesced COO form: duplicate entries summed, every element it does not store
-    a zero. Nothing is written into ``grad``.
+    a zero. A complex one is its elements' magnitudes |z| in float64 (as PyTorch's norms take
+    a complex tensor: an element is zero when both its parts are). Nothing is written into
+    ``grad``.
 
     Raises:
         GradientInputError: a gradient on the meta device (it holds no values).
@@ -151,6 +153,8 @@ def readable_values(grad: Tensor, label: str) -> tuple[Tensor, int]:
             f"{label} is on the meta device and holds no values; take the statistics where "
             "the gradients were computed"
         )
+    if local.is_complex() and local.layout == torch.strided:
+        return _magnitudes(grad, local), 0
     kernels.check_dtype(local, label)
     if local.layout == torch.strided:
         return grad, 0
@@ -160,7 +164,19 @@ def readable_values(grad: Tensor, label: str) -> tuple[Tensor, int]:
         )
     coo = local if local.layout == torch.sparse_coo else local.to_sparse()
     values = coo.coalesce().values()
+    if values.is_complex():
+        values = _magnitudes(values, values)
     return values, local.numel() - values.numel()
+
+
+def _magnitudes(grad: Tensor, local: Tensor) -> Tensor:
+    """|z| of a complex gradient's elements in float64 (a DTensor stays one, placed alike)."""
+    found = local.detach().to(torch.complex128).abs()
+    if local is grad:
+        return found
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(found, grad.device_mesh, grad.placements, run_check=False)  # type: ignore[attr-defined]
 
 
 def _plain_gradient(grad: Any) -> bool:

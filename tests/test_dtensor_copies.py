@@ -165,12 +165,29 @@ def _huge(rank: int, world_size: int, _arg: Any) -> float:
     return gradstat.total_norm([DTensor.from_local(local, mesh, [Replicate()], run_check=False)])
 
 
+def _partial_then_reduced(rank: int, world_size: int, directory: str) -> list[float]:
+    """A recorder's step before the gradient's reduction (Partial), then one after."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    local = torch.tensor([3.0, 4.0])
+    weight = torch.nn.Parameter(DTensor.from_local(local, mesh, [Replicate()]))
+    recorder = gradstat.Recorder([("w", weight)], directory, spike=None)
+    norms = []
+    for step, placement in ((1, Partial()), (2, Replicate())):
+        weight.grad = DTensor.from_local(local.clone(), mesh, [placement], run_check=False)
+        norms.append(recorder.step(step))
+    return norms
+
+
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Any:
     root = tmp_path_factory.mktemp("copies")
     (root / "run").mkdir()
     cases = [Case(case, _run, (case, str(root / case.replace(" ", "-")))) for case in _CASES]
     cases.append(Case("huge", _huge))
+    cases.append(Case("partial", _partial_then_reduced, str(root / "partial")))
     return launch(_WORLD, root / "run", cases, timeout_s=200)
 
 
@@ -219,3 +236,10 @@ def test_copies_whose_squares_overflow_are_still_told_apart(four_ranks: Any) -> 
     expected = math.sqrt(largest) * 2.0**260
     for norm in four_ranks.values("huge"):
         assert _close(norm, expected), (norm, expected)
+
+
+def test_the_recorder_goes_on_through_a_step_that_has_no_norm(four_ranks: Any) -> None:
+    """A Partial gradient (the recorder called before the reduction) has no norm: the step
+    raised out of the training loop; now it is NaN, said once, and the next step is whole."""
+    for first, second in four_ranks.values("partial"):
+        assert math.isnan(first) and _close(second, 5.0), (first, second)

@@ -582,3 +582,21 @@ def test_ranks_whose_lists_differ_join_the_same_collectives(tmp_path: Path) -> N
             assert "another rank refused" in outside[1]
             assert rel_err(outside_megatron, _norm64([full["g0"]])) <= 1e-9
         assert out["last"] == _zeros64([a.chunk(2)[0]]) == 2
+
+
+@pytest.mark.parametrize("p", [2.0, 1.0, math.inf, 3.0])
+def test_complex_gradients_count_by_their_magnitudes(tmp_path: Path, p: float) -> None:
+    """A complex parameter's gradient raised out of total_norm and out of the recorder's step
+    (the training loop stopped); its norm is PyTorch's: of the elements' magnitudes."""
+    values = [3 + 4j, 0j, 1j, -2.5 + 0.5j]
+    weight = torch.nn.Parameter(torch.zeros(4, dtype=torch.complex64))
+    weight.grad = torch.tensor(values, dtype=torch.complex64)
+    bias = torch.nn.Parameter(torch.zeros(2))
+    bias.grad = torch.tensor([1.0, 0.0])
+    magnitudes = [math.hypot(value.real, value.imag) for value in values] + [1.0, 0.0]
+    expected = max(magnitudes) if p == math.inf else math.fsum(m**p for m in magnitudes) ** (1 / p)
+    assert math.isclose(gradstat.total_norm([weight, bias], p), expected, rel_tol=1e-12)
+    assert gradstat.total_zeros([weight, bias]) == 2
+    if p == 2.0:
+        recorder = gradstat.Recorder([("w", weight), ("b", bias)], tmp_path / "run", spike=None)
+        assert math.isclose(recorder.step(1), expected, rel_tol=1e-12)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from gradstat._collector import collector_paused
 from gradstat.clip_grads import check_norm_type
 from gradstat.core.groups import megatron_state
-from gradstat.errors import ArgumentError
+from gradstat.errors import ArgumentError, GradstatError
 from gradstat.recorder.agreement import Agreement
 from gradstat.recorder.arguments import (
     count,
@@ -229,6 +229,7 @@ class Recorder:
         }
         self._said_steps_differ = False
         self._said_totals_differ = False
+        self._said_no_norm = False
         self._measured = 0  # recorded steps with per-parameter statistics
         self._verified = -1  # the telemetry's version for which both norms agreed
         _, attempt = self._agreement.exchange(
@@ -315,7 +316,11 @@ class Recorder:
         if telemetry is not None and before["changed"]:
             telemetry.agree(items)
         due = telemetry is not None and steps_agree and telemetry.due(number)
-        norm, params = self._norm_and_params(number, items, due)
+        try:
+            norm, params = self._norm_and_params(number, items, due)
+        except GradstatError as error:  # raised on every rank together: all take this way
+            return self._without_norm(number, error)
+        self._said_no_norm = False
         mismatch, why = self._mismatch(norm, logged, before)
         agreed = steps_agree and not before["busy"]
 
@@ -348,6 +353,16 @@ class Recorder:
             payload = step_payload(number, norm, logged, mask, written, params)
             self._log.step(payload, params is not None)
         return norm
+
+    def _without_norm(self, number: int, error: GradstatError) -> float:
+        """A step whose gradients give no norm (a Partial DTensor, a meta gradient): said once
+        until a step has one again, recorded with a NaN norm and no trigger, and the job goes
+        on (the recorder never stops it)."""
+        if not self._said_no_norm:
+            self._said_no_norm = True
+            warn(f"step {number}: no norm ({error}); steps without one are recorded as NaN")
+        self.records.append(StepRecord(number, math.nan, (), None, None))
+        return math.nan
 
     def _norm_and_params(
         self, step: int, items: list[Any], due: bool
