@@ -579,6 +579,38 @@ def _refuse_overflow(snapshot_dir: Path, stats: SnapshotStats, p: float, shown: 
         )
 
 
+def json_text(value: Any, depth: int = 0) -> str:
+    """``value`` as JSON indented by two spaces, each item of a list of objects (a report's
+    rows) on a line of its own, which the C encoder writes, where the indenting one is pure
+    Python (16,384 rows of ``norm --json``: 120 ms indented, 58 ms a row per line)."""
+    inner = "  " * (depth + 1)
+    if isinstance(value, dict) and value:
+        items = [
+            f"{inner}{json.dumps(key)}: {json_text(item, depth + 1)}" for key, item in value.items()
+        ]
+        return "{\n" + ",\n".join(items) + "\n" + "  " * depth + "}"
+    if isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
+        return "[\n" + inner + _rows(value, ",\n" + inner) + "\n" + "  " * depth + "]"
+    if isinstance(value, list) and any(isinstance(item, (dict, list)) for item in value):
+        items = [inner + json_text(item, depth + 1) for item in value]
+        return "[\n" + ",\n".join(items) + "\n" + "  " * depth + "]"
+    return _ENCODER.encode(value)
+
+
+_ENCODER = json.JSONEncoder(allow_nan=False)  # one for all: json.dumps makes one per call
+# Between two objects of a list as the encoder writes it; never inside a string, whose quotes
+# it escapes.
+_BETWEEN = '}, {"'
+
+
+def _rows(items: list[dict[str, Any]], between: str) -> str:
+    """A list of objects, each encoded on its own, joined by ``between``: in one call of the
+    encoder where no object holds another (then :data:`_BETWEEN` parts the objects alone)."""
+    if all(not isinstance(item, (dict, list)) for row in items for item in row.values()):
+        return _ENCODER.encode(items)[1:-1].replace(_BETWEEN, "}" + between + '{"')
+    return between.join(map(_ENCODER.encode, items))
+
+
 def _emit(as_json: bool, document: dict[str, Any], draw: Callable[[Console], None]) -> None:
     """Print the results: one JSON document (ASCII, names as they are), or rich tables; under
     a launcher, process 0 alone (every process of ``inspect`` or a log's ``history`` has them)."""
@@ -587,7 +619,7 @@ def _emit(as_json: bool, document: dict[str, Any], draw: Callable[[Console], Non
     _session().stop_progress()
     with _quiet_broken_pipe():
         if as_json:
-            sys.stdout.write(json.dumps(document, indent=2, allow_nan=False) + "\n")
+            sys.stdout.write(json_text(document) + "\n")
         else:
             # A terminal gets its own width, as does a pipe given COLUMNS; a pipe or a log file
             # without it, 160 columns. Tables never break a word whatever the width (render.py).
