@@ -598,16 +598,25 @@ def json_text(value: Any, depth: int = 0) -> str:
 
 
 _ENCODER = json.JSONEncoder(allow_nan=False)  # one for all: json.dumps makes one per call
-# Between two objects of a list as the encoder writes it; never inside a string, whose quotes
-# it escapes.
-_BETWEEN = '}, {"'
 
 
 def _rows(items: list[dict[str, Any]], between: str) -> str:
-    """A list of objects, each encoded on its own, joined by ``between``: in one call of the
-    encoder where no object holds another (then :data:`_BETWEEN` parts the objects alone)."""
-    if all(not isinstance(item, (dict, list)) for row in items for item in row.values()):
-        return _ENCODER.encode(items)[1:-1].replace(_BETWEEN, "}" + between + '{"')
+    """A list of objects, each encoded on its own, joined by ``between``.
+
+    Report rows (flat objects that all begin with one key) are encoded in one call, and parted
+    where one object ends and the next begins with that key: ``}, {"name": `` never lies
+    inside a string, whose quotes the encoder escapes (a string may end in ``}, {``, but its
+    closing quote is followed by a comma or a brace, not by the key)."""
+    first = next(iter(items[0]), None)
+    if first is not None and all(
+        next(iter(row), None) == first
+        and not any(isinstance(v, (dict, list)) for v in row.values())
+        for row in items
+    ):
+        key = _ENCODER.encode(first)
+        return _ENCODER.encode(items)[1:-1].replace(
+            "}, {" + key + ": ", "}" + between + "{" + key + ": "
+        )
     return between.join(map(_ENCODER.encode, items))
 
 
