@@ -165,8 +165,9 @@ def _huge(rank: int, world_size: int, _arg: Any) -> float:
     return gradstat.total_norm([DTensor.from_local(local, mesh, [Replicate()], run_check=False)])
 
 
-def _partial_then_reduced(rank: int, world_size: int, directory: str) -> list[float]:
-    """A recorder's step before the gradient's reduction (Partial), then one after."""
+def _partial_then_reduced(rank: int, world_size: int, directory: str) -> list[Any]:
+    """A recorder's steps before the gradient's reduction (Partial), then one after; whether
+    its per-parameter statistics came back."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
@@ -175,10 +176,10 @@ def _partial_then_reduced(rank: int, world_size: int, directory: str) -> list[fl
     weight = torch.nn.Parameter(DTensor.from_local(local, mesh, [Replicate()]))
     recorder = gradstat.Recorder([("w", weight)], directory, spike=None)
     norms = []
-    for step, placement in ((1, Partial()), (2, Replicate())):
+    for step, placement in ((1, Partial()), (2, Partial()), (3, Replicate())):
         weight.grad = DTensor.from_local(local.clone(), mesh, [placement], run_check=False)
         norms.append(recorder.step(step))
-    return norms
+    return [*norms, recorder.params is not None]
 
 
 @pytest.fixture(scope="module")
@@ -241,5 +242,6 @@ def test_copies_whose_squares_overflow_are_still_told_apart(four_ranks: Any) -> 
 def test_the_recorder_goes_on_through_a_step_that_has_no_norm(four_ranks: Any) -> None:
     """A Partial gradient (the recorder called before the reduction) has no norm: the step
     raised out of the training loop; now it is NaN, said once, and the next step is whole."""
-    for first, second in four_ranks.values("partial"):
-        assert math.isnan(first) and _close(second, 5.0), (first, second)
+    for first, second, third, rows in four_ranks.values("partial"):
+        assert math.isnan(first) and math.isnan(second) and _close(third, 5.0)
+        assert rows, "the per-parameter statistics stopped for good at the Partial steps"

@@ -14,6 +14,7 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -375,6 +376,8 @@ def test_a_snapshot_without_the_recorders_marker_is_classed_by_its_triggers(
         ({"telemetry_groups": "layers"}, TypeError, "a list of regular expressions"),
         ({"telemetry_groups": [r"layers\.("]}, ValueError, "is no regular expression"),
         ({"telemetry_groups": [3]}, TypeError, "3 is no regular expression"),
+        # A DeviceMesh without names: every snapshot was lost, one warning per rank each.
+        ({"mesh": SimpleNamespace(mesh_dim_names=None)}, ValueError, "needs mesh_dim_names"),
     ],
 )
 def test_bad_arguments_are_refused_in_one_line(

@@ -294,6 +294,7 @@ def test_a_snapshot_taken_for_a_nan_on_an_uncounted_replica_says_so(two_ranks: A
     assert done.returncode == 1, done.stderr
     report = json.loads(done.stdout)
     assert report["nonfinite_not_counted"] is True and report["nonfinite"] == []
+    assert report["recorded_norm"] == "nan" and report["recorded_norm_differs"] is False
     assert _close(report["total_norm"], _replica_norms(3, False))
     text = run_gradstat("norm", snapshot)
     assert text.returncode == 1 and "yet every counted copy is finite" in text.stdout

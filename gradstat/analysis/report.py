@@ -240,6 +240,8 @@ class NormReport:
         recorded, total = self.recorded_norm, self.total_norm
         if recorded is None or (math.isnan(recorded) and math.isnan(total)):
             return False
+        if self.nonfinite_not_counted:
+            return False  # the same fact, said already
         if recorded == total:
             return False
         return not (math.isfinite(recorded) and abs(recorded - total) <= 1e-6 * abs(recorded))

@@ -72,6 +72,11 @@ class StepRecord:
 
 def _check_coords(coords: Mapping[str, Sequence[int]] | None, mesh: Any) -> None:
     """Refuse coordinates every snapshot would refuse, at construction, not at each dump."""
+    if mesh is not None and not getattr(mesh, "mesh_dim_names", None):
+        raise ArgumentError(
+            "mesh= needs mesh_dim_names (init_device_mesh(..., mesh_dim_names=(...))): they "
+            "name the snapshot's parallel axes"
+        )
     if coords is None:
         return
     try:

@@ -161,6 +161,9 @@ class _Local:
     slots: list[int]  # agreed slot of each counted tensor
     uncounted: list[int]  # the other items' positions (copies counted elsewhere)
     failure: str | None = None  # why this rank could not describe its gradients
+    # The gradients' dtypes and placements when it failed: a Partial gradient reduced, a
+    # dtype changed, and it is described again.
+    failed_on: tuple[Any, ...] = ()
     stale: bool = False  # a gradient's shape changed under the same parameter: describe again
 
 
@@ -290,7 +293,18 @@ class Telemetry:
         local = self._local
         if local is None or local.stale or local.items != tuple(map(id, items)):
             return True
+        if local.failure is not None and local.failed_on != self._kinds(items):
+            return True
         return local.held != self._held(items)
+
+    def _kinds(self, items: Sequence[Any]) -> tuple[Any, ...]:
+        """Each gradient's dtype and placements (what may make it describable again)."""
+        found = []
+        for item in items:
+            grad = self.gradients.gradient(item)
+            placements = getattr(grad, "placements", None)
+            found.append(None if grad is None else (grad.dtype, str(placements)))
+        return tuple(found)
 
     def _slot_name(self, name: str) -> str:
         for pattern in self.patterns:
@@ -345,7 +359,19 @@ class Telemetry:
         header = RankHeader(0, 1, None, check_coords({}), False, self.gradients.grad_attr, ())
         live = _LiveRank(header, self.directory)
         ids = tuple(map(id, items))
-        return _Local(ids, self._held(items), [], [], live, [], [], [], [], failure=str(error))
+        return _Local(
+            ids,
+            self._held(items),
+            [],
+            [],
+            live,
+            [],
+            [],
+            [],
+            [],
+            failure=str(error),
+            failed_on=self._kinds(items),
+        )
 
     def agree(self, items: Sequence[Any]) -> None:
         """Agree on the names (a collective: every rank calls, when any rank changed)."""
