@@ -597,6 +597,8 @@ def test_complex_gradients_count_by_their_magnitudes(tmp_path: Path, p: float) -
     expected = max(magnitudes) if p == math.inf else math.fsum(m**p for m in magnitudes) ** (1 / p)
     assert math.isclose(gradstat.total_norm([weight, bias], p), expected, rel_tol=1e-12)
     assert gradstat.total_zeros([weight, bias]) == 2
+    grads = [weight.grad, bias.grad]
+    assert math.isclose(gradstat.get_grad_norm_fp32(grads, p), expected, rel_tol=1e-12)
     if p == 2.0:
         recorder = gradstat.Recorder([("w", weight), ("b", bias)], tmp_path / "run", spike=None)
         assert math.isclose(recorder.step(1), expected, rel_tol=1e-12)

@@ -213,6 +213,8 @@ def _copy_moments(
         squares: each one's sum of squares.
         held_copies: the DTensor gradients counted elsewhere, as (place, gradient).
     """
+    if not (shards or held_copies):  # no DTensor: nothing to tell, no tensor to make
+        return [0.0] * _MOMENTS, 0.0, 0.0
     groups: dict[Any, copies.CopyGroup] = {}
     values: dict[Any, list[float]] = {}
 
