@@ -153,6 +153,20 @@ def _replicate_copy_goes_bad(rank: int, world_size: int, directory: str) -> dict
     return found
 
 
+def _expert_replicas(rank: int, _world_size: int, directory: str) -> float:
+    """A DDP job whose second layer is an expert's (DeepSpeed's and Megatron's
+    ``allreduce=False``), on data parallelism alone: a snapshot at step 1."""
+    model = _model()
+    for param in model[1].parameters():
+        param.allreduce = False  # type: ignore[attr-defined]
+    recorder = gradstat.Recorder(model, directory, spike=None, steps=[1])
+    for name, param in model.named_parameters():
+        param.grad = _grad_of(name, param.shape)
+    norm = recorder.step(1)
+    recorder.wait()
+    return norm
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Any:
     root = tmp_path_factory.mktemp("replicas")
@@ -161,6 +175,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Any:
     cases += [Case("listed twice", _listed_twice), Case("lengths differ", _lengths_differ)]
     cases += [Case("tp coords", _tp_coords_alone, str(root / "tp"))]
     cases += [Case("refused", _refused_on_one_rank)]
+    cases += [Case("expert replicas", _expert_replicas, str(root / "experts"))]
     cases += [Case("replicate copy", _replicate_copy_goes_bad, str(root / "replicate"))]
     cases += [
         Case("nan on rank 1", _recorded, ("nan", str(root / "nan"))),
@@ -552,3 +567,25 @@ def test_a_nan_or_inf_on_a_replicate_copy_counted_elsewhere_is_every_ranks_norm(
             first, second, third = found[key]
             assert _close(first, finite) and math.isnan(second) and third == math.inf, key
         assert found["triggers"] == [[], ["nonfinite"], ["nonfinite"]], found["triggers"]
+
+
+def test_expert_parameters_on_data_parallelism_alone_are_replicas(two_ranks: Any) -> None:
+    """Without coords, both ranks' experts sat at one expert coordinate: every command refused
+    the snapshot, and the per-parameter statistics stopped. Expert data parallelism is the
+    data parallelism: the experts are replicas, counted once."""
+    import json
+
+    from gradstat.recorder import complete_snapshots
+    from tests._cli import run_gradstat
+
+    root, report = two_ranks
+    model = _model()
+    grads = [_grad_of(name, param.shape) for name, param in model.named_parameters()]
+    expected = _oracle(grads, 2.0)
+    assert all(_close(norm, expected) for norm in report.values("expert replicas"))
+    (_, snapshot), *_ = complete_snapshots(root / "experts")
+    done = run_gradstat("norm", snapshot, "--json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    found = json.loads(done.stdout)
+    assert _close(found["total_norm"], expected) and found["recorded_norm_differs"] is False
+    assert _close(found["expert_norm"], _oracle(grads[2:], 2.0))

@@ -420,6 +420,10 @@ def rank_coords(
     if found is None:
         found = {"dp": [rank, world_size]}
     merged = {**found, **{axis: list(place) for axis, place in (coords or {}).items()}}
+    if set(merged) == {"dp"}:
+        # Data parallelism alone: expert parameters (``allreduce=False``) are replicas over
+        # the same ranks (expert data parallelism is all of it), not copies at one coordinate.
+        merged["edp"] = list(merged["dp"])
     return rank, world_size, merged
 
 
