@@ -11,6 +11,7 @@ expected values are float64 sums over them, each shard by its largest copy, neve
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -179,7 +180,13 @@ def _partial_then_reduced(rank: int, world_size: int, directory: str) -> list[An
     for step, placement in ((1, Partial()), (2, Partial()), (3, Replicate())):
         weight.grad = DTensor.from_local(local.clone(), mesh, [placement], run_check=False)
         norms.append(recorder.step(step))
-    return [*norms, recorder.params is not None]
+    recorder.wait()
+    steps = []
+    if rank == 0:
+        from gradstat.analysis.history import read_history
+
+        steps = read_history(Path(directory)).steps
+    return [*norms, recorder.params is not None, steps]
 
 
 @pytest.fixture(scope="module")
@@ -242,6 +249,7 @@ def test_copies_whose_squares_overflow_are_still_told_apart(four_ranks: Any) -> 
 def test_the_recorder_goes_on_through_a_step_that_has_no_norm(four_ranks: Any) -> None:
     """A Partial gradient (the recorder called before the reduction) has no norm: the step
     raised out of the training loop; now it is NaN, said once, and the next step is whole."""
-    for first, second, third, rows in four_ranks.values("partial"):
+    for rank, (first, second, third, rows, steps) in enumerate(four_ranks.values("partial")):
         assert math.isnan(first) and math.isnan(second) and _close(third, 5.0)
         assert rows, "the per-parameter statistics stopped for good at the Partial steps"
+        assert rank != 0 or steps == [1, 2, 3], steps  # the log held step 3 alone

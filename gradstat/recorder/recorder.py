@@ -324,7 +324,7 @@ class Recorder:
         try:
             norm, params = self._norm_and_params(number, items, due)
         except GradstatError as error:  # raised on every rank together: all take this way
-            return self._without_norm(number, error)
+            return self._without_norm(number, logged, error)
         self._said_no_norm = False
         mismatch, why = self._mismatch(norm, logged, before)
         agreed = steps_agree and not before["busy"]
@@ -359,14 +359,16 @@ class Recorder:
             self._log.step(payload, params is not None)
         return norm
 
-    def _without_norm(self, number: int, error: GradstatError) -> float:
+    def _without_norm(self, number: int, logged: float | None, error: GradstatError) -> float:
         """A step whose gradients give no norm (a Partial DTensor, a meta gradient): said once
         until a step has one again, recorded with a NaN norm and no trigger, and the job goes
         on (the recorder never stops it)."""
         if not self._said_no_norm:
             self._said_no_norm = True
             warn(f"step {number}: no norm ({error}); steps without one are recorded as NaN")
-        self.records.append(StepRecord(number, math.nan, (), None, None))
+        self.records.append(StepRecord(number, math.nan, (), None, logged))
+        if self._log is not None:  # the log holds every step, as the records do
+            self._log.step(step_payload(number, math.nan, logged, 0, -1), False)
         return math.nan
 
     def _norm_and_params(
