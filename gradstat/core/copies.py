@@ -8,12 +8,13 @@ coordinate 0 alone would hide it. So, as for plain data-parallel replicas
 (:mod:`gradstat.core.replicas`), a statistic that sums (a p-norm's sums, a zero count) counts
 each shard by its largest copy, and one that maximises takes every copy in.
 
-Telling costs almost nothing. Each rank groups its shards by where their copies are (the root
-mesh, the dimensions holding copies, its coordinates on the others: the same on every copy),
-and the statistic's first all-reduce also sums four numbers over the groups: each copy group's
-statistic and its square, and each counted group's times the number of its other copies. Equal
-copies make those sums agree (to rounding). Only where they differ (a fault) does every rank
-gather each shard's statistic from every other, to count each by its largest copy.
+Telling costs no collective of its own. Each rank groups its shards by the ranks that hold
+their copies (the same set on every copy), and the statistic's first all-reduce also sums, over
+the copies and over the counted shards (times their number of other copies), each shard's
+statistic and its square root, weighted by a number drawn from its group and place in the list,
+and the weights themselves. Equal copies make the two agree (to rounding); a difference, even
+two that would cancel in a plain sum, does not. Only then (a fault) does every rank gather each
+shard's statistic from every other, to count each by its largest copy.
 """
 
 from __future__ import annotations
