@@ -365,7 +365,10 @@ class Recorder:
         on (the recorder never stops it)."""
         if not self._said_no_norm:
             self._said_no_norm = True
-            warn(f"step {number}: no norm ({error}); steps without one are recorded as NaN")
+            warn(
+                f"step {number}: no norm ({error}); steps without one are recorded as NaN, "
+                "with no trigger and no snapshot"
+            )
         self.records.append(StepRecord(number, math.nan, (), None, logged))
         if self._log is not None:  # the log holds every step, as the records do
             self._log.step(step_payload(number, math.nan, logged, 0, -1), False)

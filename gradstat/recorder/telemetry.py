@@ -357,7 +357,10 @@ class Telemetry:
     def _undescribed(self, items: Sequence[Any], error: Exception) -> _Local:
         """A rank that could not describe its gradients: it holds no name, and every
         measurement says it failed (no rank reports numbers that leave this one's out)."""
-        warn(f"per-parameter statistics stopped on this rank: {error}")
+        warn(
+            f"per-parameter statistics stopped on this rank until its gradients change (a "
+            f"dtype, a placement, a parameter): {error}"
+        )
         header = RankHeader(0, 1, None, check_coords({}), False, self.gradients.grad_attr, ())
         live = _LiveRank(header, self.directory)
         ids = tuple(map(id, items))
