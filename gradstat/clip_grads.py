@@ -637,6 +637,7 @@ def _native_reduce(
             ]
             counted, found = copies.moments(native.groups, stats, mesh.shape, mesh.device)
             parts += [counted.reshape(-1), found.reshape(-1)]
+        told = sum(part.numel() for part in parts)  # the shards', the counted copies', moments
         flags = [native.problem is not None, bool(native.lacking)]
         parts.append(torch.tensor(flags, dtype=mesh.dtype).to(mesh.device))
         if is_max and group is None:
@@ -645,7 +646,6 @@ def _native_reduce(
         if native.problem is not None:
             raise native.problem
         width = mesh.numel()
-        told = width if is_max else 6 * width + 2  # the shards', the counted copies', moments
         refused, lacked = world[told : told + len(flags)].tolist()
         if refused:
             raise GradstatError(

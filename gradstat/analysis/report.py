@@ -251,9 +251,6 @@ class NormReport:
         data["norm_type"] = json_number(self.norm_type)
         data["all_zero"] = self.all_zero
         data["nonfinite_not_counted"] = self.nonfinite_not_counted
-        data["recorded_norm"] = (
-            None if self.recorded_norm is None else json_number(self.recorded_norm)
-        )
         data["recorded_norm_differs"] = self.recorded_norm_differs
         _drop_unasked(data)
         return dict(data)

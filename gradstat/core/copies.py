@@ -31,7 +31,7 @@ from torch import Tensor
 
 from gradstat.core.placements import MeshPlacement, root_mesh
 
-__all__ = ["CopyGroup", "copy_group_key", "differ", "largest_copies", "moments"]
+__all__ = ["CopyGroup", "copy_group_key", "differ", "largest_copies", "moments", "moments_size"]
 
 GroupKey = tuple[Any, ...]
 
@@ -146,6 +146,11 @@ def moments(
     halves = [found[side].reshape(-1) for side in (0, 1)]
     places = torch.tensor(held, dtype=torch.float64, device=device)
     return counted, torch.cat([halves[0], places[:1], halves[1], places[1:]])
+
+
+def moments_size(width: int) -> int:
+    """How many numbers :func:`moments` gives for a statistic of ``width`` numbers."""
+    return 2 * (2 * width + 1)
 
 
 def hash_key(key: Any) -> int:

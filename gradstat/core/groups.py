@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from gradstat.core.copies import CopyGroup, copy_group_key
-from gradstat.core.placements import MeshPlacement, describe, root_mesh
+from gradstat.core.placements import describe, root_mesh
 from gradstat.errors import PartialGradientError
 
 if TYPE_CHECKING:
@@ -277,7 +277,7 @@ def split_by_mesh(
                 bucket.shards.append(dtensor.to_local())
             continue
         is_tp = bool(tensor_parallel[index]) if tensor_parallel else False
-        found = copy_group(dtensor, is_tp, place)
+        found = copy_group(dtensor, is_tp)
         if found is None:
             bucket.shards.append(dtensor.to_local())
             continue
@@ -288,27 +288,24 @@ def split_by_mesh(
     return plain, [meshes[key] for key in sorted(meshes)]
 
 
-def copy_group(
-    grad: Any, tensor_parallel: bool = False, place: MeshPlacement | None = None
-) -> tuple[Any, int, bool] | None:
+def copy_group(grad: Any, tensor_parallel: bool = False) -> tuple[Any, int, bool] | None:
     """Where the copies of a DTensor gradient's local shard lie, over its root mesh
     (:func:`gradstat.core.copies.copy_group_key`); None when no other rank holds one.
 
     Args:
         grad: a DTensor gradient.
         tensor_parallel: its parameter is Megatron tensor-parallel.
-        place: its placement, where the caller described it already.
     """
     dtensor = _as_dtensor(grad)
     assert dtensor is not None, "a DTensor's copies"
     mesh = dtensor.device_mesh
-    described = describe(dtensor) if place is None else place
-    # What decides the group is the mesh's, the placements and the coordinate: kept per mesh.
-    key = (id(mesh), described.placements, described.coordinate, tensor_parallel)
+    # The mesh (this rank's coordinate on it included) and the placements decide the group:
+    # kept per mesh, so that a step's thousand gradients are not described again.
+    key = (id(mesh), tuple(dtensor.placements), tensor_parallel)
     entry = _COPY_GROUPS.get(key)
     if entry is None or entry[0] is not mesh:
         root_key = _mesh_key(root_mesh(mesh))
-        found = copy_group_key(described, mesh, root_key, tensor_parallel)
+        found = copy_group_key(describe(dtensor), mesh, root_key, tensor_parallel)
         entry = _COPY_GROUPS[key] = (mesh, found)
     return entry[1]
 

@@ -32,7 +32,6 @@ __all__ = ["Snapshots", "complete_snapshots", "snapshot_name"]
 _ABANDONED = ".abandoned-rank-{rank:05d}"
 _COMPLETE = re.compile(r"^step-(\d+)(?:\.(\d+))?$")
 _PARTIAL = re.compile(r"^\.step-\d+\.(?:([0-9a-f]+)-\d+\.)?partial$")
-_MARKER = RECORDER_MARKER
 # The names of the snapshots retention removed, one a line: never given to another snapshot,
 # since a log record of an earlier run may name one.
 _REMOVED = ".removed-snapshots"
@@ -69,7 +68,7 @@ def _kind_and_time(snapshot: Path) -> tuple[bool, int]:
     from its rank 0 file (triggers unknown: kept as triggered, never pushed out by routine
     ones)."""
     try:
-        marker = json.loads((snapshot / _MARKER).read_text())
+        marker = json.loads((snapshot / RECORDER_MARKER).read_text())
         return set(marker["triggers"]) <= ROUTINE_TRIGGERS, int(marker["written_ns"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
@@ -227,7 +226,7 @@ class Snapshots:
                     }
                     if norm is not None:
                         marker["norm"] = {"type": norm[0], "value": norm[1]}
-                    (partial / _MARKER).write_text(json.dumps(marker))
+                    (partial / RECORDER_MARKER).write_text(json.dumps(marker))
                     os.rename(partial, final)
                     self._trim(set(triggers) <= ROUTINE_TRIGGERS, self.keep)
                     if on_complete is not None:

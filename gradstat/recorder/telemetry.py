@@ -60,7 +60,7 @@ _SUMS = 5  # per name: squares, zeros, NaN, Inf, elements
 # After the names' entries: the sums' DTensor squares, the sums that tell whether DTensor
 # copies differ (gradstat.core.copies.moments of one number) and failed ranks; the maxima's
 # plain squares, NaN, Inf, out of float64's range, and the lacking digest (and its negation).
-_MOMENTS = 6
+_MOMENTS = copies.moments_size(1)
 _SUM_EXTRAS = 2 + _MOMENTS
 _MAX_EXTRAS = 6
 _OUTSIZED = 1e100
@@ -226,7 +226,8 @@ def _copy_moments(
         key, size, is_copy = found
         group = groups.setdefault(key, copies.CopyGroup(key, size, is_copy))
         group.places.append(place)
-        group.tensors.append(to_local(held))
+        if is_copy:  # read below; a counted shard's squares are known
+            group.tensors.append(to_local(held))
         values.setdefault(key, []).append(math.nan if square is None else square)
 
     for (place, held), square in zip(shards, squares, strict=True):
