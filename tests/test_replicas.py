@@ -153,13 +153,16 @@ def _replicate_copy_goes_bad(rank: int, world_size: int, directory: str) -> dict
     return found
 
 
-def _expert_replicas(rank: int, _world_size: int, directory: str) -> float:
+def _expert_replicas(rank: int, _world_size: int, arg: tuple[str, bool]) -> float:
     """A DDP job whose second layer is an expert's (DeepSpeed's and Megatron's
-    ``allreduce=False``), on data parallelism alone: a snapshot at step 1."""
+    ``allreduce=False``), on data parallelism alone, or on 2 tensor-parallel ranks given as
+    coords (no expert axis named): a snapshot at step 1."""
+    directory, tensor_parallel = arg
     model = _model()
     for param in model[1].parameters():
         param.allreduce = False  # type: ignore[attr-defined]
-    recorder = gradstat.Recorder(model, directory, spike=None, steps=[1])
+    coords = {"tp": [rank, 2], "dp": [0, 1]} if tensor_parallel else None
+    recorder = gradstat.Recorder(model, directory, spike=None, steps=[1], coords=coords)
     for name, param in model.named_parameters():
         param.grad = _grad_of(name, param.shape)
     norm = recorder.step(1)
@@ -175,7 +178,8 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Any:
     cases += [Case("listed twice", _listed_twice), Case("lengths differ", _lengths_differ)]
     cases += [Case("tp coords", _tp_coords_alone, str(root / "tp"))]
     cases += [Case("refused", _refused_on_one_rank)]
-    cases += [Case("expert replicas", _expert_replicas, str(root / "experts"))]
+    cases += [Case("expert replicas", _expert_replicas, (str(root / "experts"), False))]
+    cases += [Case("experts beside tp", _expert_replicas, (str(root / "experts-tp"), True))]
     cases += [Case("replicate copy", _replicate_copy_goes_bad, str(root / "replicate"))]
     cases += [
         Case("nan on rank 1", _recorded, ("nan", str(root / "nan"))),
@@ -569,10 +573,16 @@ def test_a_nan_or_inf_on_a_replicate_copy_counted_elsewhere_is_every_ranks_norm(
         assert found["triggers"] == [[], ["nonfinite"], ["nonfinite"]], found["triggers"]
 
 
-def test_expert_parameters_on_data_parallelism_alone_are_replicas(two_ranks: Any) -> None:
-    """Without coords, both ranks' experts sat at one expert coordinate: every command refused
-    the snapshot, and the per-parameter statistics stopped. Expert data parallelism is the
-    data parallelism: the experts are replicas, counted once."""
+@pytest.mark.parametrize(
+    ("case", "directory"), [("expert replicas", "experts"), ("experts beside tp", "experts-tp")]
+)
+def test_expert_parameters_without_expert_axes_are_laid_out_as_the_others(
+    two_ranks: Any, case: str, directory: str
+) -> None:
+    """Without expert axes, both ranks' experts sat at one expert coordinate: every command
+    refused the snapshot, and the per-parameter statistics stopped. A job that names no expert
+    axis lays its experts out as its other parameters: replicas over dp, and over tp (not
+    split there) duplicates of tensor-parallel rank 0's, counted once."""
     import json
 
     from gradstat.recorder import complete_snapshots
@@ -582,8 +592,8 @@ def test_expert_parameters_on_data_parallelism_alone_are_replicas(two_ranks: Any
     model = _model()
     grads = [_grad_of(name, param.shape) for name, param in model.named_parameters()]
     expected = _oracle(grads, 2.0)
-    assert all(_close(norm, expected) for norm in report.values("expert replicas"))
-    (_, snapshot), *_ = complete_snapshots(root / "experts")
+    assert all(_close(norm, expected) for norm in report.values(case))
+    (_, snapshot), *_ = complete_snapshots(root / directory)
     done = run_gradstat("norm", snapshot, "--json")
     assert done.returncode == 0, done.stdout + done.stderr
     found = json.loads(done.stdout)

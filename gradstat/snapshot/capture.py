@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradstat.core.axes import AXES, Axis, too_many_places
+from gradstat.core.axes import AXES, EXPERT_AXES, Axis, too_many_places
 from gradstat.core.groups import megatron_gtp_group, megatron_state
 from gradstat.core.predicates import gtp_local_pad_zero_count
 from gradstat.errors import SnapshotError
@@ -420,11 +420,36 @@ def rank_coords(
     if found is None:
         found = {"dp": [rank, world_size]}
     merged = {**found, **{axis: list(place) for axis, place in (coords or {}).items()}}
-    if set(merged) == {"dp"}:
-        # Data parallelism alone: expert parameters (``allreduce=False``) are replicas over
-        # the same ranks (expert data parallelism is all of it), not copies at one coordinate.
-        merged["edp"] = list(merged["dp"])
+    if not merged.keys() & _EXPERT_AXIS_NAMES:
+        merged.update(_experts_as_dense(merged))
     return rank, world_size, merged
+
+
+_EXPERT_AXIS_NAMES = frozenset(EXPERT_AXES)
+
+
+def _experts_as_dense(coords: Mapping[str, list[int]]) -> dict[str, list[int]]:
+    """The expert axes of a job that names none (no expert parallelism: a DDP job's
+    ``allreduce=False`` parameters, DeepSpeed-style, or a mesh without expert dimensions): its
+    expert parameters are laid out as the others, sharded over tp (and gtp) and replicated over
+    dp and cp, as Megatron lays them out with one expert-parallel rank. Without this, two
+    tensor-parallel or data-parallel ranks would hold experts at one expert coordinate, and no
+    reader could take the snapshot."""
+    places = {axis: _place(coords.get(axis, (0, 1))) for axis in ("tp", "gtp", "dp", "cp")}
+    if None in places.values():
+        return {}  # a malformed place: check_coords words it
+    (dp_rank, dp_size), (cp_rank, cp_size) = places["dp"], places["cp"]
+    return {
+        "etp": list(places["tp"]),
+        "egtp": list(places["gtp"]),
+        "edp": [dp_rank * cp_size + cp_rank, dp_size * cp_size],
+    }
+
+
+def _place(value: Any) -> tuple[int, int] | None:
+    if isinstance(value, (list, tuple)) and len(value) == 2 and all(type(v) is int for v in value):
+        return value[0], value[1]
+    return None
 
 
 def job_coords(
