@@ -536,6 +536,8 @@ def _native_grads(parameters: _Params, group: Any, what: str) -> _NativeGrads:
         grads, tensor_parallel, zeros_of, positions = [], [], [], []
         place_of: dict[int, deque[int]] = defaultdict(deque)
         for index, item in enumerate(items):
+            if item is not None and not param_is_not_shared(item):
+                continue  # a tied weight's second copy (Megatron's shared=True), as snapshots
             if item is None or is_parameter(item):
                 grad = None if item is None else _read_grad(item)
             elif isinstance(item, Tensor):
@@ -689,7 +691,9 @@ def total_norm(
     Replicate copies once, a module left out of a TP plan once), plain gradients as data-parallel
     replicas (each rank's copy is the full gradient), exactly (float64 partials). A parameter
     (an ``nn.Parameter``, a tensor that requires grad or holds a ``.grad``) stands for its
-    ``.grad``; any other tensor is a gradient. A sparse gradient counts by its values.
+    ``.grad``; any other tensor is a gradient. A sparse gradient counts by its values. A tied
+    weight's second copy marked ``shared=True`` (as Megatron marks it) does not count, as in a
+    snapshot.
 
     Once torch.distributed is initialized this is a collective over the default group: every
     rank calls it, and every rank joins the same reductions whatever its list holds (an empty

@@ -602,3 +602,36 @@ def test_complex_gradients_count_by_their_magnitudes(tmp_path: Path, p: float) -
     if p == 2.0:
         recorder = gradstat.Recorder([("w", weight), ("b", bias)], tmp_path / "run", spike=None)
         assert math.isclose(recorder.step(1), expected, rel_tol=1e-12)
+
+
+def test_a_shared_copy_counts_nowhere_in_the_loop_as_in_its_snapshot(tmp_path: Path) -> None:
+    """A tied weight's second copy marked ``shared=True``: total_norm counted it, a snapshot
+    does not (Megatron's rule), so the recorder's snapshot of a healthy job said its norm
+    differed from the recorder's (exit status 1)."""
+    import json
+
+    from gradstat.recorder import complete_snapshots
+    from tests._cli import run_gradstat
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 3))
+    model[1].weight.shared = True  # type: ignore[attr-defined]
+    values = {
+        name: torch.arange(1.0, param.numel() + 1).reshape(param.shape) / (i + 2)
+        for i, (name, param) in enumerate(model.named_parameters())
+    }
+    for name, param in model.named_parameters():
+        param.grad = values[name].clone()
+    counted = [value for name, value in values.items() if name != "1.weight"]
+    expected = math.sqrt(math.fsum(float(v) ** 2 for value in counted for v in value.flatten()))
+    zeros = sum(int((value == 0).sum()) for value in counted)
+    assert math.isclose(gradstat.total_norm(model.parameters()), expected, rel_tol=1e-12)
+    assert gradstat.total_zeros(list(model.parameters())) == zeros
+    recorder = gradstat.Recorder(model, tmp_path / "run", spike=None, steps=[1])
+    assert math.isclose(recorder.step(1), expected, rel_tol=1e-12)
+    recorder.wait()
+    (_, snapshot), *_ = complete_snapshots(tmp_path / "run")
+    done = run_gradstat("norm", snapshot, "--json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    found = json.loads(done.stdout)
+    assert math.isclose(found["total_norm"], expected, rel_tol=1e-12)
+    assert found["recorded_norm_differs"] is False
