@@ -147,3 +147,86 @@ def test_two_chunks_of_a_tensor_in_one_data_file_compare_as_themselves(tmp_path:
     result = CliRunner().invoke(app, ["inspect", str(sharded), "--json"])
     notes = json.loads(result.stdout)["notes"]
     assert notes and not any("coordinates" in note for note in notes), notes
+
+
+class _TrainerWords(torch.nn.Module):
+    """torchtitan saves model keys at the top level: modules named as trainer state is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state = torch.nn.Linear(3, 3)
+        self.extra = torch.nn.Linear(3, 4)
+        self.scheduler = torch.nn.Sequential(torch.nn.Linear(4, 2))
+        self.rng = torch.nn.Linear(2, 2)
+        self.layers = torch.nn.ModuleList([torch.nn.Module()])
+        self.layers[0].state = torch.nn.Module()
+        self.layers[0].state.step = torch.nn.Linear(2, 2)  # "layers.0.state.step.weight"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.scheduler(self.extra(self.state(x)))
+        return self.layers[0].state.step(self.rng(x))
+
+
+@pytest.mark.parametrize("with_optimizer", [True, False])
+def test_top_level_modules_named_as_trainer_state_are_weights(
+    with_optimizer: bool, tmp_path: Path
+) -> None:
+    """Their weights were read as trainer state and dropped from the weights' norm (34% low,
+    exit 0); ``layers.0.state.step.weight`` was read as a step counter. The trainer's own state
+    beside them (an RNG state, integers; a step) is still left out."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = _TrainerWords()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(5, 3)).square().sum().backward()
+    optimizer.step()
+    weights, states = get_state_dict(model, optimizer)
+    state: dict[str, Any] = dict(weights)  # the model's keys at the top, as torchtitan's
+    state["train_state"] = {"step": torch.tensor(1.0)}
+    state["dataloader"] = {"position": torch.tensor([7, 3], dtype=torch.int64)}
+    if with_optimizer:
+        state["optimizer"] = states
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(tmp_path))
+    params = list(model.parameters())
+    expected = {"weight": _l2([param.detach() for param in params])}
+    if with_optimizer:
+        moments = [optimizer.state[param] for param in params]
+        expected["exp_avg"] = _l2([moment["exp_avg"] for moment in moments])
+        expected["exp_avg_sq"] = _l2([moment["exp_avg_sq"] for moment in moments])
+        everything = [param.detach() for param in params]
+        everything += [moment[key] for moment in moments for key in ("exp_avg", "exp_avg_sq")]
+        # every floating-point tensor but the optimizer's step counters: the trainer's too
+        expected["all"] = _l2([*everything, state["train_state"]["step"]])
+    for kind, truth in expected.items():
+        got = _norm(tmp_path, kind)
+        assert abs(got - truth) <= 1e-6 * truth, (kind, got, truth)
+
+
+def test_a_checkpoints_experts_count_as_experts(tmp_path: Path) -> None:
+    """A checkpoint's expert gradients (named as Megatron's and torchtitan's) were counted as
+    dense: its expert norm was 0 and `compare` against a wgrads dump of the same values failed."""
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    grads = {
+        "layers.0.attention.wq.weight": torch.randn(4, 4),
+        "layers.0.moe.experts.w1": torch.randn(2, 4, 3),
+        "decoder.layers.1.mlp.experts.local_experts.1.linear_fc1.weight": torch.randn(3, 4),
+        "decoder.layers.1.mlp.experts.linear_fc2.weight0": torch.randn(4, 3),
+        "decoder.layers.1.mlp.router.weight": torch.randn(2, 4),
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"grads": grads}, checkpoint_id=str(tmp_path))
+    result = CliRunner().invoke(app, ["norm", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.stderr
+    found = json.loads(result.stdout)
+    experts = [grad for name, grad in grads.items() if ".experts." in name]
+    dense = [grad for name, grad in grads.items() if ".experts." not in name]
+    for key, truth in (("expert_norm", _l2(experts)), ("dense_norm", _l2(dense))):
+        assert abs(found[key] - truth) <= 1e-9 * truth, (key, found[key], truth)
+    assert abs(found["total_norm"] - _l2(list(grads.values()))) <= 1e-9 * found["total_norm"]

@@ -18,6 +18,7 @@ reads its share of the data files.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -32,7 +33,7 @@ from gradstat.core.placements import MeshPlacement
 from gradstat.errors import SnapshotError
 from gradstat.snapshot.container import Container, FileStamp
 from gradstat.snapshot.dcp import ChunkRef, DcpIndex, open_index, read_chunk
-from gradstat.snapshot.format import DTYPE_NAMES, ParamRecord, RankHeader
+from gradstat.snapshot.format import DTYPE_NAMES, EXPERT_NAME, ParamRecord, RankHeader
 from gradstat.snapshot.reader import RankFile
 from gradstat.snapshot.torch_dist import (
     expert_rows,
@@ -99,6 +100,7 @@ _NON_MODEL_ROOTS = frozenset(
 
 
 _STATS = frozenset(_MOMENTS) | _OTHER_STATES
+_OPTIMIZER_ROOTS = frozenset({"optimizer", "optim"})
 # What torch's optimizers keep per parameter group (``lr`` may be a tensor).
 _GROUP_KEYS = frozenset(
     {"lr", "initial_lr", "betas", "eps", "weight_decay", "momentum", "dampening", "params"}
@@ -143,6 +145,36 @@ def classify_key(fqn: str) -> KeyKind:
             return KeyKind("other", None)
     param = fqn[len("model.") :] if parts[0] == "model" and len(parts) > 1 else fqn
     return KeyKind("weight", param)
+
+
+def classify_stored(stored: Mapping[str, list[_Stored]]) -> dict[str, KeyKind]:
+    """:func:`classify_key` of each key, corrected by what the whole checkpoint holds.
+
+    A key's words alone mislead where a model's own modules are named as trainer state is
+    (torchtitan saves model keys at the top level: a module ``state``, ``extra`` or
+    ``scheduler``, a submodule ``state.step``). Where no key has the ``model`` root, a key read
+    as trainer state (by its root alone) or as a step counter, outside ``optimizer`` (Megatron's
+    dp_reshardable buckets lie there), ``optim`` and the roots of the optimizer's moments, is a
+    weight when the optimizer holds moments of it, or when it is a
+    floating-point tensor of more than one element: a step counter has one, and trainers keep
+    their own state as bytes (a scheduler's numbers, a data loader's position) or as integer
+    tensors (an RNG's state).
+    """
+    kinds = {key: classify_key(key) for key in stored}
+    if any(key.partition(".")[0] == "model" for key in stored):
+        return kinds
+    moments = [(key, held) for key, held in kinds.items() if held.kind in ("exp_avg", "exp_avg_sq")]
+    owned = {held.param for _, held in moments}
+    state_roots = {key.partition(".")[0] for key, _ in moments}
+    for key, held in kinds.items():
+        by_words = held.kind == "step" or (held.kind == "other" and held.param is None)
+        root = key.partition(".")[0]
+        if not by_words or root in state_roots or root in _OPTIMIZER_ROOTS:
+            continue
+        first = stored[key][0]
+        if key in owned or (first.dtype.is_floating_point and math.prod(first.size) > 1):
+            kinds[key] = KeyKind("weight", key)
+    return kinds
 
 
 # --- The checkpoint as rank files -------------------------------------------------------------
@@ -292,8 +324,9 @@ def _selected(
     """
     found: dict[str, list[_Stored]] = {}
     skipped = set(left_out(stored, kind))
+    kinds = classify_stored(stored)
     for key, chunks in stored.items():
-        held = classify_key(key)
+        held = kinds[key]
         if key in skipped:
             continue
         if kind == "all":
@@ -327,8 +360,9 @@ def left_out(stored: Mapping[str, list[_Stored]], kind: str) -> tuple[str, ...]:
     """The keys of ``kind`` that are not read: buffers of a type gradstat does not read among
     the weights, and with ``all`` the step counters too."""
     found = []
+    kinds = classify_stored(stored)
     for key, chunks in stored.items():
-        held = classify_key(key).kind
+        held = kinds[key].kind
         if kind not in ("all", held) or kind not in ("all", "weight"):
             continue
         if chunks[0].dtype not in DTYPE_NAMES or (kind == "all" and held == "step"):
@@ -339,15 +373,14 @@ def left_out(stored: Mapping[str, list[_Stored]], kind: str) -> tuple[str, ...]:
 def held_kinds(stored: Mapping[str, list[_Stored]]) -> tuple[tuple[str, int], ...]:
     """(kind, number of tensors) of every kind of key the checkpoint holds, by kind."""
     held: dict[str, int] = {}
-    for key in stored:
-        kind = classify_key(key).kind
-        held[kind] = held.get(kind, 0) + 1
+    for key_kind in classify_stored(stored).values():
+        held[key_kind.kind] = held.get(key_kind.kind, 0) + 1
     return tuple(sorted(held.items()))
 
 
 def default_kind(stored: Mapping[str, list[_Stored]]) -> str:
     """Gradients when the checkpoint holds any, else model weights."""
-    kinds = {classify_key(key).kind for key in stored}
+    kinds = {held.kind for held in classify_stored(stored).values()}
     return "grad" if "grad" in kinds else "weight"
 
 
@@ -387,7 +420,9 @@ def open_checkpoint(directory: Path, kind: str | None = None) -> list[Checkpoint
     for rank, (path, occurrence) in enumerate(sorted(groups)):
         held = sorted(groups[path, occurrence], key=lambda item: item[1].chunk.storage.offset)
         records = tuple(_record(name, piece, rank, world_size) for name, piece in held)
-        coords = {axis: (0, 1) for axis in AXES} | {"dp": (rank, world_size)}
+        # Each file its own data-parallel place, of the experts' too (chunks decide what counts).
+        place = (rank, world_size)
+        coords = {axis: (0, 1) for axis in AXES} | {"dp": place, "edp": place}
         header = RankHeader(rank, world_size, step, coords, False, kind, records)
         location = directory / path
         container = Container(location, {}, {}, 0, FileStamp.of_path(location))
@@ -424,5 +459,6 @@ def _record(name: str, piece: _Stored, rank: int, world_size: int) -> ParamRecor
         shape=piece.sizes,
         dtype=DTYPE_NAMES[piece.dtype],
         param_shape=piece.size,
+        attrs={"allreduce": False} if EXPERT_NAME.search(name) else {},
         dtensor=placement,
     )

@@ -202,6 +202,12 @@ def scan_json(text: str, index: int) -> tuple[Any, int] | None:
     return value, end
 
 
+# Megatron's expert parameters, by name (``...mlp.experts.local_experts.3.linear_fc1.weight``,
+# ``...experts.linear_fc1.weight3``, torchtitan's ``...moe.experts.w1``): what a reader that
+# finds no attributes (a wgrads dump, a checkpoint) marks ``allreduce=False``.
+EXPERT_NAME = re.compile(r"(^|\.)experts\.")
+
+
 # A DTensor gradient's placement on its mesh (placements decide what counts).
 DTensorRecord = MeshPlacement
 

@@ -47,7 +47,7 @@ import torch
 from gradstat.core.axes import AXES
 from gradstat.errors import ArgumentError, DumpWarning, SnapshotError
 from gradstat.snapshot.container import mapped
-from gradstat.snapshot.format import WGRADS_FILE, ParamRecord, RankHeader
+from gradstat.snapshot.format import EXPERT_NAME, WGRADS_FILE, ParamRecord, RankHeader
 from gradstat.snapshot.pth import PthFile, read_pth
 from gradstat.snapshot.reader import RankFile
 
@@ -63,7 +63,6 @@ _ITERATION = re.compile(r"^iter_(\d+)$")
 _LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..+)$")
 _LOCAL_EXPERT = re.compile(r"^(.+\.experts\.local_experts\.)(\d+)(\..+)$")
 _GROUPED_EXPERT = re.compile(r"^(.+\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")
-_EXPERT = re.compile(r"(^|\.)experts\.")
 _EMBEDDING = "embedding.word_embeddings.weight"
 _OUTPUT = "output_layer.weight"
 
@@ -289,7 +288,7 @@ def _place_suffixes(dumps: list[_Dump]) -> set[str]:
         names = {(chunk, name) for chunk, held in dump.chunks.items() for name in held}
         by_suffix.setdefault(dump.suffixes[0], set()).update(names)
     alike = len({frozenset(names) for names in by_suffix.values()}) == 1
-    experts = any(_EXPERT.search(name) for names in by_suffix.values() for _, name in names)
+    experts = any(EXPERT_NAME.search(name) for names in by_suffix.values() for _, name in names)
     key = "ep" if alike and experts else "pp"
     for dump in dumps:
         setattr(dump, key, dump.suffixes[0])
@@ -674,7 +673,7 @@ def _attributes(
     tied_why: str,
 ) -> tuple[dict[str, Any], str]:
     """A parameter's Megatron attributes and the rule that decided them."""
-    expert = _EXPERT.search(name) is not None
+    expert = EXPERT_NAME.search(name) is not None
     attrs: dict[str, Any] = {} if not expert else {"allreduce": False}
     size = etp if expert else tp
     decided = _rule(options, name)
