@@ -51,6 +51,7 @@ class Layout:
     grouped: bool = False  # grouped-GEMM experts (weight0..K) instead of SequentialMLP
     te: bool = False  # Transformer Engine spec: layernorms fused into the linears
     tied: bool = True  # the output layer shares the embedding's weight
+    block: str = "decoder"  # the layers' block: GPT's decoder, BERT's encoder
 
     @property
     def expert_tp(self) -> int:
@@ -81,7 +82,7 @@ class Model:
         add = model._add
         add("embedding.word_embeddings.weight", (VOCAB, HIDDEN), 0, seed)
         for layer in range(sum(layout.stage_layers)):
-            prefix = f"decoder.layers.{layer}."
+            prefix = f"{layout.block}.layers.{layer}."
             if layout.te:
                 add(prefix + "self_attention.linear_qkv.layer_norm_weight", (HIDDEN,), None, seed)
             else:
@@ -111,7 +112,7 @@ class Model:
                 add(prefix + "mlp.linear_fc1.weight", (FFN, HIDDEN), 0, seed)
                 add(prefix + "mlp.linear_fc2.weight", (HIDDEN, FFN), 1, seed)
                 add(prefix + "mlp.linear_fc2.bias", (HIDDEN,), None, seed)
-        add("decoder.final_layernorm.weight", (HIDDEN,), None, seed)
+        add(f"{layout.block}.final_layernorm.weight", (HIDDEN,), None, seed)
         if not layout.tied:
             add("output_layer.weight", (VOCAB, HIDDEN), 0, seed)
         return model
@@ -194,7 +195,7 @@ class Model:
     ) -> str | None:
         if name.startswith("embedding."):
             return name if virtual == 0 else None
-        if name.startswith(("decoder.final_layernorm", "output_layer")):
+        if name.startswith((f"{self.layout.block}.final_layernorm", "output_layer")):
             return name if virtual == last else None
         parts = name.split(".")
         layer = int(parts[2])

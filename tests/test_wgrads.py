@@ -31,6 +31,8 @@ LAYOUTS = {
     "tp2-ep2-grouped-te": Layout(tp=2, ep=2, experts=4, grouped=True, te=True),
     "tp2-ep4-etp1": Layout(tp=2, ep=4, etp=1, experts=8),
     "tp2-pp2-ep2-tied": Layout(tp=2, pp=2, ep=2, experts=4),
+    # BERT's and T5's encoder.layers.N, numbered from 0 on each stage as the decoder's are
+    "tp2-pp2-vpp2-encoder": Layout(tp=2, pp=2, vpp=2, block="encoder"),
 }
 
 
@@ -150,6 +152,8 @@ def test_a_name_no_rule_knows_is_refused_until_stated(tmp_path: Path) -> None:
         ("stage_lacks_a_param", "has no 'decoder.layers.0.self_attention.linear_proj.bias'"),
         ("shapes_differ", "not shards of one Megatron layout"),
         ("not_a_dump", "a Megatron wgrads file holds model_chunkN/<parameter name> tensors"),
+        # one global name on two stages was one row of both stages' gradients
+        ("one_name_on_two_stages", "(pipeline stage 0): its block's layers are not numbered"),
     ],
 )
 def test_what_cannot_be_placed_is_refused(case: str, message: str, tmp_path: Path) -> None:
@@ -181,6 +185,12 @@ def test_what_cannot_be_placed_is_refused(case: str, message: str, tmp_path: Pat
         chunks = torch.load(path)
         chunks["model_chunk0"]["decoder.layers.0.mlp.linear_fc1.weight"] = torch.ones(4, 8)
         torch.save(chunks, path)
+    elif case == "one_name_on_two_stages":
+        for tp_rank in range(2):
+            path = folder / f"mp_rank_{tp_rank:02d}_000.pth"
+            chunks = torch.load(path)
+            chunks["model_chunk0"]["decoder.final_layernorm.weight"] = torch.ones(8)
+            torch.save(chunks, path)
     elif case == "not_a_dump":
         torch.save(
             {"model": {"w": torch.ones(2)}, "step": torch.ones(1)}, folder / "mp_rank_00_000.pth"

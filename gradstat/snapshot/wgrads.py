@@ -60,7 +60,10 @@ __all__ = [
 
 _CHUNK = re.compile(r"^model_chunk(\d+)$")
 _ITERATION = re.compile(r"^iter_(\d+)$")
-_LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..+)$")
+# A layer of a block that pipeline stages split, numbered from 0 on each stage: the first
+# ``layers.N`` of a name (GPT's ``decoder.layers.3.``, BERT's and T5's ``encoder.layers.3.``, a
+# multimodal model's ``vision_model.decoder.layers.3.``). Each block is numbered on its own.
+_LAYER = re.compile(r"^((?:.+?\.)?layers\.)(\d+)(\..+)$")
 _LOCAL_EXPERT = re.compile(r"^(.+\.experts\.local_experts\.)(\d+)(\..+)$")
 _GROUPED_EXPERT = re.compile(r"^(.+\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")
 _EMBEDDING = "embedding.word_embeddings.weight"
@@ -445,9 +448,14 @@ def _check_last_stage(folder: Path, names_of: list[dict[int, dict[str, Any]]]) -
         )
 
 
-def _layer_count(names: Mapping[str, Any]) -> int:
-    indices = [int(match[2]) for name in names if (match := _LAYER.match(name))]
-    return max(indices, default=-1) + 1
+def _layer_counts(names: Mapping[str, Any]) -> dict[str, int]:
+    """The layers each block (by its ``...layers.`` prefix) holds among ``names``."""
+    found: dict[str, int] = {}
+    for name in names:
+        match = _LAYER.match(name)
+        if match:
+            found[match[1]] = max(found.get(match[1], 0), int(match[2]) + 1)
+    return found
 
 
 def _experts_per_rank(names: Mapping[str, Any]) -> dict[str, int]:
@@ -461,9 +469,11 @@ def _experts_per_rank(names: Mapping[str, Any]) -> dict[str, int]:
     return {module: max(indices) + 1 for module, indices in found.items()}
 
 
-def _global_name(name: str, layer_offset: int, ep_rank: int, per_rank: Mapping[str, int]) -> str:
-    """``name`` with the layer numbered after the virtual stages before and the expert after
-    the EP ranks before."""
+def _global_name(
+    name: str, layer_offsets: Mapping[str, int], ep_rank: int, per_rank: Mapping[str, int]
+) -> str:
+    """``name`` with the layer numbered after its block's layers on the virtual stages before
+    and the expert after the EP ranks before."""
     expert = _LOCAL_EXPERT.match(name)
     if expert:
         index = ep_rank * per_rank[expert[1]] + int(expert[2])
@@ -474,7 +484,7 @@ def _global_name(name: str, layer_offset: int, ep_rank: int, per_rank: Mapping[s
         name = f"{grouped[1]}{index}"
     layer = _LAYER.match(name)
     if layer:
-        name = f"{layer[1]}{int(layer[2]) + layer_offset}{layer[3]}"
+        name = f"{layer[1]}{int(layer[2]) + layer_offsets.get(layer[1], 0)}{layer[3]}"
     return name
 
 
@@ -555,12 +565,13 @@ def open_wgrads(
     _check_last_stage(folder, names_of)
     chunks = max((max(held, default=0) for held in names_of), default=0) + 1
     # Virtual stage v = chunk * PP + stage holds the layers after those of v - 1.
-    offsets: dict[tuple[int, int], int] = {}
-    total = 0
+    offsets: dict[tuple[int, int], dict[str, int]] = {}
+    totals: dict[str, int] = {}
     for chunk in range(chunks):
         for stage in range(pp):
-            offsets[(stage, chunk)] = total
-            total += _layer_count(names_of[stage].get(chunk, {}))
+            offsets[(stage, chunk)] = dict(totals)
+            for block, count in _layer_counts(names_of[stage].get(chunk, {})).items():
+                totals[block] = totals.get(block, 0) + count
     first_place = (0, 0)
     last_place = (pp - 1, max(names_of[pp - 1], default=0))
     embedding_first = _EMBEDDING in names_of[0].get(0, {})
@@ -574,6 +585,7 @@ def open_wgrads(
         step = int(iteration[1])
     world_size = len(dumps)
     opened: list[WgradsFile] = []
+    stage_of: dict[str, tuple[int, Path]] = {}  # a global name's stage, and a file holding it
     for stage, held in enumerate(stages):
         for dump in held:
             coords = {axis: (0, 1) for axis in AXES}
@@ -601,6 +613,14 @@ def open_wgrads(
                     attrs, rule = _attributes(
                         dump, name, local, tp, etp, options, virtual != first_place, tied, tied_why
                     )
+                    # One parameter on two stages: a copy (MTP's embedding), or a clash.
+                    found = stage_of.setdefault(global_name, (stage, dump.path))
+                    if found[0] != stage and not attrs.get("shared"):
+                        raise SnapshotError(
+                            f"{dump.path}: {name!r} of model_chunk{chunk} is {global_name!r}, as "
+                            f"is a parameter of {found[1]} (pipeline stage {found[0]}): its "
+                            "block's layers are not numbered from 0 on each stage"
+                        )
                     container_slot = dump.pth.container.slots[slot]
                     records.append(
                         ParamRecord(
