@@ -128,6 +128,12 @@ def _fsdp2_job(rank: int, world_size: int, root: str) -> dict[str, Any]:
         use_collectives=False,
     )
     truth["local"] = {**truth["a"]["weight"], SHARED: shared.double()}
+    # Rank-local again, each rank's copy of one tensor its own: rank r's is r + 1 throughout.
+    dcp.save(
+        {"grads": {SHARED: torch.full((3, 5), rank + 1.0)}},
+        checkpoint_id=f"{root}/local-apart",
+        use_collectives=False,
+    )
     optimizer.zero_grad()
     native.loss_of(model).backward()
     optimizer.step()
@@ -602,6 +608,28 @@ def test_a_rank_local_copy_on_every_rank_counts_once(jobs: tuple[Path, dict[str,
     _check_norms(directory, tensors)
     # Against four copies, the norm would be sqrt(4 - 1) x the shared tensor's square sum more.
     assert _squares(tensors[SHARED]) > 0
+    code, audit = _cli("audit", str(directory))
+    assert code == 0 and audit["findings"] == [], audit["findings"]  # the copies were compared
+
+
+def test_rank_local_copies_that_differ_are_an_audit_finding(
+    jobs: tuple[Path, dict[str, Any]],
+) -> None:
+    """The first copy is the one read; audit said "no findings: every copy ... agrees" without
+    comparing the others."""
+    root, _ = jobs
+    directory = str(root / "local-apart")
+    code, result = _cli("norm", directory)
+    assert code == 0 and rel_err(result["total_norm"], math.sqrt(15.0)) <= REL  # rank 0's: 1s
+    code, audit = _cli("audit", directory)
+    assert code == 1
+    (finding,) = audit["findings"]
+    assert finding["kind"] == "stored_copies_differ" and finding["name"] == SHARED, finding
+    assert finding["max_abs_diff"] == 3.0  # rank 3's 4 against rank 0's 1
+    for rank in (1, 2, 3):
+        assert f"__{rank}_0.distcp" in finding["detail"], finding
+    # Counting rank 3's copy instead: 15 elements of 4 against 15 of 1.
+    assert rel_err(finding["norm_if_miscounted"], math.sqrt(15 * 16.0)) <= REL, finding
 
 
 # --- Buffers that are not floating point ---------------------------------------------------------

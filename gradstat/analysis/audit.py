@@ -35,7 +35,9 @@ And of a PyTorch distributed checkpoint's tensors (``--kind``):
 
 - ``moment_zero``: an Adam moment (``exp_avg``, ``exp_avg_sq``) that is zero in every element:
   its parameter never got a non-zero gradient (frozen, or outside the loss);
-- ``nonfinite``: a tensor (weight, moment, gradient) holding NaN or Inf, counted by rank file.
+- ``nonfinite``: a tensor (weight, moment, gradient) holding NaN or Inf, counted by rank file;
+- ``stored_copies_differ``: a chunk stored more than once (every rank's copy, in rank-local
+  metadata) whose copies differ: the first is the one read.
 """
 
 from __future__ import annotations
@@ -497,6 +499,7 @@ def audit_snapshot(
     info = snapshot_info(snapshot)
     if info.source == "dcp":
         findings += [_finding(raw, total) for raw in _checkpoint_issues(stats, info.kind or "")]
+        findings += [_finding(raw, total) for raw in _stored_copies(snapshot.files, rtol)]
     return AuditReport(
         snapshot=info,
         rtol=rtol,
@@ -504,6 +507,40 @@ def audit_snapshot(
         params_checked=len(tiles),
         findings=tuple(findings),
     )
+
+
+def _stored_copies(files: Sequence[Any], rtol: float) -> list[dict[str, Any]]:
+    """A checkpoint's chunks stored more than once, each copy against the one read."""
+    from gradstat.snapshot.dcp import read_chunk
+
+    found = []
+    compared = set()
+    for file in files:
+        for name, chunk in file.chunks.items():
+            if not chunk.others or chunk.storage in compared:
+                continue  # a stacked tensor's rows share their chunk: compared once
+            compared.add(chunk.storage)
+            ref, gaps = read_chunk(file.directory, chunk), []
+            for storage in chunk.others:
+                other = read_chunk(file.directory, replace(chunk, storage=storage))
+                if not torch.equal(ref, other):
+                    gaps.append((storage.relative_path, _measure(ref, other)))
+            gaps = [(path, gap) for path, gap in gaps if gap.beyond(rtol)]
+            if not gaps:
+                continue
+            largest = nan_max([gap.max_abs_diff for _, gap in gaps])
+            scale = max(gap.scale for _, gap in gaps)
+            change = max((gap.squares_other - gap.squares_ref for _, gap in gaps), key=abs)
+            places = ", ".join(sorted({path for path, _ in gaps}))
+            detail = (
+                f"stored {chunk.copies} times (rank-local metadata), and the copies in {places} "
+                f"differ from the one read ({chunk.storage.relative_path}) in "
+                f"{max(gap.differing for _, gap in gaps)} of {ref.numel()} elements"
+            )
+            found.append(
+                _raw("stored_copies_differ", name, [file.rank], detail, largest, scale, change)
+            )
+    return found
 
 
 def _checkpoint_issues(stats: SnapshotStats, kind: str) -> list[dict[str, Any]]:

@@ -435,15 +435,10 @@ def _experts_as_dense(coords: Mapping[str, list[int]]) -> dict[str, list[int]]:
     dp and cp, as Megatron lays them out with one expert-parallel rank. Without this, two
     tensor-parallel or data-parallel ranks would hold experts at one expert coordinate, and no
     reader could take the snapshot."""
-    places = {axis: _place(coords.get(axis, (0, 1))) for axis in ("tp", "gtp", "dp", "cp")}
-    if None in places.values():
+    tp, gtp, dp, cp = (_place(coords.get(axis, (0, 1))) for axis in ("tp", "gtp", "dp", "cp"))
+    if tp is None or gtp is None or dp is None or cp is None:
         return {}  # a malformed place: check_coords words it
-    (dp_rank, dp_size), (cp_rank, cp_size) = places["dp"], places["cp"]
-    return {
-        "etp": list(places["tp"]),
-        "egtp": list(places["gtp"]),
-        "edp": [dp_rank * cp_size + cp_rank, dp_size * cp_size],
-    }
+    return {"etp": list(tp), "egtp": list(gtp), "edp": [dp[0] * cp[1] + cp[0], dp[1] * cp[1]]}
 
 
 def _place(value: Any) -> tuple[int, int] | None:

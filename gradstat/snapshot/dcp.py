@@ -30,7 +30,7 @@ import re
 import stat
 import struct
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import IO, Any
 
@@ -110,7 +110,8 @@ class ChunkRef:
 
     ``copies`` counts how many times the same chunk (identical offsets and sizes) was stored
     (rank-local metadata keeps every rank's copy of a replicated tensor); the chunk is read
-    once, from ``storage``, the first copy in metadata-file order.
+    once, from ``storage``, the first copy in metadata-file order, and ``others`` are where the
+    further copies lie (``audit`` compares them with it).
     """
 
     fqn: str
@@ -119,6 +120,7 @@ class ChunkRef:
     dtype: torch.dtype
     storage: StorageRef
     copies: int = 1
+    others: tuple[StorageRef, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -490,9 +492,8 @@ def _merge_tensor(
         if seen is None:
             chunks[key] = ChunkRef(fqn, chunk.offsets, chunk.sizes, tensor.dtype, storage)
         else:
-            chunks[key] = ChunkRef(
-                fqn, seen.offsets, seen.sizes, seen.dtype, seen.storage, seen.copies + 1
-            )
+            others = (*seen.others, storage)
+            chunks[key] = replace(seen, copies=seen.copies + 1, others=others)
     tensors[fqn] = TensorEntry(fqn, tensor.size, tensor.dtype, tuple(chunks.values()))
     declared_in.setdefault(fqn, meta.path)
 
