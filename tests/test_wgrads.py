@@ -306,8 +306,14 @@ def test_a_missing_last_tp_file_is_warned_of(tmp_path: Path) -> None:
     warning = [line for line in result.stderr.splitlines() if line]
     assert len(warning) == 1 and warning[0].startswith("gradstat: warning: ")
     assert "TP 2 if the attention is as wide as the hidden size" in warning[0]
+    # A JSON document carries it too: a script reading stdout alone saw a calm total, exit 0.
+    for command in ("norm", "zeros", "audit", "inspect"):
+        status, document, _ = _gradstat(command, folder, "--json")
+        assert status == 0, command
+        assert document["warnings"] == [warning[0].removeprefix("gradstat: warning: ")], command
     complete = _dump(tmp_path / "complete", Layout(tp=2))
     assert run_gradstat("norm", complete).stderr == ""
+    assert _gradstat("norm", complete, "--json")[1]["warnings"] == []
 
 
 @pytest.mark.multiprocess

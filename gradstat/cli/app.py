@@ -101,9 +101,12 @@ def _one_line_warnings(show: Callable[..., None]) -> Callable[..., None]:
     ) -> None:
         if not issubclass(category, (NativeKernelWarning, DumpWarning)):
             show(message, category, *where, **more)
-        elif os.environ.get("LOCAL_RANK", "0") == "0":
-            from gradstat.cli.render import visible
+            return
+        from gradstat.cli.render import visible
 
+        if _SESSIONS:
+            _SESSIONS[-1].warnings.append(str(message))  # for the JSON document
+        if os.environ.get("LOCAL_RANK", "0") == "0":
             typer.echo(f"gradstat: warning: {visible(str(message))}", err=True)
 
     return show_warning
@@ -153,6 +156,7 @@ class _Session:
         self.status_file = _option_value(self.arguments, "--status-file")
         self.log_handler: logging.Handler | None = None
         self.log_level = logging.NOTSET
+        self.warnings: list[str] = []  # gradstat's warnings, one line each, as said on stderr
 
     def log_to_stderr(self, level: int) -> None:
         """Show the ``gradstat`` loggers' records from ``level`` up on stderr while this run
@@ -628,6 +632,8 @@ def _emit(as_json: bool, document: dict[str, Any], draw: Callable[[Console], Non
     _session().stop_progress()
     with _quiet_broken_pipe():
         if as_json:
+            # What stderr warned of travels with the numbers (a dump that may lack a file).
+            document = {**document, "warnings": _session().warnings}
             sys.stdout.write(json_text(document) + "\n")
         else:
             # A terminal gets its own width, as does a pipe given COLUMNS; a pipe or a log file
