@@ -98,6 +98,10 @@ def test_each_kind_is_its_own_tensors_under_any_root(layout: str, tmp_path: Path
     for kind, truth in expected.items():
         got = _norm(tmp_path, kind)
         assert abs(got - truth) <= 1e-6 * truth, (kind, got, truth)
+        # Each kind names its tensors by their parameter (app.model.<p> was named so whole).
+        result = CliRunner().invoke(app, ["norm", str(tmp_path), "--kind", kind, "--json"])
+        rows = {row["name"] for row in json.loads(result.stdout)["params"]}
+        assert rows == {name for name, _ in model.named_parameters()}, (kind, rows)
 
 
 _ROWS = torch.arange(8 * 3, dtype=torch.float32).reshape(8, 3) / 10

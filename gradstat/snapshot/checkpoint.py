@@ -158,7 +158,8 @@ def classify_stored(stored: Mapping[str, list[_Stored]]) -> dict[str, KeyKind]:
     weight when the optimizer holds moments of it, or when it is a
     floating-point tensor of more than one element: a step counter has one, and trainers keep
     their own state as bytes (a scheduler's numbers, a data loader's position) or as integer
-    tensors (an RNG's state).
+    tensors (an RNG's state). A weight ``<root>.model.<p>`` beside moments under ``<root>``
+    (DCP's tutorial's ``app``) is ``<p>``'s, as they are.
     """
     kinds = {key: classify_key(key) for key in stored}
     if any(key.partition(".")[0] == "model" for key in stored):
@@ -174,6 +175,12 @@ def classify_stored(stored: Mapping[str, list[_Stored]]) -> dict[str, KeyKind]:
         first = stored[key][0]
         if key in owned or (first.dtype.is_floating_point and math.prod(first.size) > 1):
             kinds[key] = KeyKind("weight", key)
+    for key, held in kinds.items():
+        # DCP's tutorial saves {"app": {"model": ..., "optim": ...}}: its weights are named by
+        # their parameter, as its moments are.
+        root, _, rest = key.partition(".")
+        if held.kind == "weight" and root in state_roots and rest.startswith("model."):
+            kinds[key] = KeyKind("weight", rest[len("model.") :])
     return kinds
 
 
@@ -278,8 +285,11 @@ def _stored(index: DcpIndex, torch_dist: bool) -> dict[str, list[_Stored]]:
     chunk (one layer, and for MoE experts one expert) a chunk of its row."""
     found: dict[str, list[_Stored]] = {}
     for fqn, entry in index.tensors.items():
-        experts = expert_rows(entry) if torch_dist else None
-        layers = None if experts is not None or not torch_dist else layer_rows(entry)
+        try:
+            experts = expert_rows(entry) if torch_dist else None
+            layers = None if experts is not None or not torch_dist else layer_rows(entry)
+        except SnapshotError as error:  # a chunk of several layers (experts): name the folder
+            raise SnapshotError(f"{index.directory}: {error}") from None
         rows: dict[tuple[int, ...], str]
         if experts is not None:
             rows = {(layer, expert): name for name, layer, expert in experts}
