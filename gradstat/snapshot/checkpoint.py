@@ -155,11 +155,11 @@ def classify_stored(stored: Mapping[str, list[_Stored]]) -> dict[str, KeyKind]:
     ``scheduler``, a submodule ``state.step``). Where no key has the ``model`` root, a key read
     as trainer state (by its root alone) or as a step counter, outside ``optimizer`` (Megatron's
     dp_reshardable buckets lie there), ``optim`` and the roots of the optimizer's moments, is a
-    weight when the optimizer holds moments of it, or when it is a
-    floating-point tensor of more than one element: a step counter has one, and trainers keep
-    their own state as bytes (a scheduler's numbers, a data loader's position) or as integer
-    tensors (an RNG's state). A weight ``<root>.model.<p>`` beside moments under ``<root>``
-    (DCP's tutorial's ``app``) is ``<p>``'s, as they are.
+    weight when the optimizer holds moments of it, or when it is a floating-point tensor of
+    more than one element: a step counter has one, and trainers keep their own state as bytes
+    (a scheduler's numbers, a data loader's position) or as integer tensors (an RNG's state).
+    A weight ``<root>.model.<p>`` beside moments under ``<root>`` (DCP's tutorial's ``app``)
+    is ``<p>``'s, as they are.
     """
     kinds = {key: classify_key(key) for key in stored}
     if any(key.partition(".")[0] == "model" for key in stored):
