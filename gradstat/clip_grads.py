@@ -511,6 +511,9 @@ class _NativeGrads:
     # The DTensor shards that other ranks hold copies of, each counted by its largest copy
     # (:mod:`gradstat.core.copies`): a copy that differs is a fault the norm must not hide.
     groups: list[CopyGroup] = field(default_factory=list)
+    # The places whose item holds no gradient that counts (None, a parameter without one, a
+    # shared copy): a DTensor's copies line up across lists that hold it or nothing there.
+    without: list[int] = field(default_factory=list)
 
 
 def _lacks(item: Any) -> bool:
@@ -529,6 +532,7 @@ def _native_grads(parameters: _Params, group: Any, what: str) -> _NativeGrads:
     implicit: list[int] = []
     places: list[int] = []
     lacking: list[int] = []
+    without: list[int] = []
     problem = None
     items = _as_list(parameters)
     try:
@@ -537,7 +541,8 @@ def _native_grads(parameters: _Params, group: Any, what: str) -> _NativeGrads:
         place_of: dict[int, deque[int]] = defaultdict(deque)
         for index, item in enumerate(items):
             if item is not None and not param_is_not_shared(item):
-                continue  # a tied weight's second copy (Megatron's shared=True), as snapshots
+                without.append(index)  # a tied weight's second copy (Megatron's shared=True)
+                continue
             if item is None or is_parameter(item):
                 grad = None if item is None else _read_grad(item)
             elif isinstance(item, Tensor):
@@ -548,6 +553,7 @@ def _native_grads(parameters: _Params, group: Any, what: str) -> _NativeGrads:
                     "or None"
                 )
             if grad is None:
+                without.append(index)
                 if _lacks(item):
                     lacking.append(index)
                 continue
@@ -579,7 +585,7 @@ def _native_grads(parameters: _Params, group: Any, what: str) -> _NativeGrads:
     held = plain + shards + [tensor for copies in groups for tensor in copies.tensors]
     device = stats_device(held, None, group if problem is None else None)
     return _NativeGrads(
-        plain, shards, implicit, problem, device, places, len(items), lacking, None, groups
+        plain, shards, implicit, problem, device, places, len(items), lacking, None, groups, without
     )
 
 
@@ -657,7 +663,9 @@ def _native_reduce(
         mesh = world[:width].reshape(mesh.shape)
         if not is_max:
             if copies.differ(world[2 * width : told].tolist()):
-                mesh = mesh + copies.largest_copies(native.groups, stats, mesh.shape, native.device)
+                mesh = mesh + copies.largest_copies(
+                    native.groups, stats, mesh.shape, native.device, native.length, native.without
+                )
             else:
                 mesh = mesh + world[width : 2 * width].reshape(mesh.shape)
         if group is None and lacked and native.per_place is None:

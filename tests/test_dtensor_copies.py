@@ -130,25 +130,42 @@ def _run(rank: int, world_size: int, arg: tuple[str, str]) -> dict[str, Any]:
     gathered = []
     largest = copies.largest_copies
 
+    counting = [True]  # the recorder's and the aligned list's calls only
+
     def counted_largest(*args: Any, **kwargs: Any) -> Any:
-        gathered.append(len(recorder.records))
+        if counting[0]:
+            gathered.append(len(recorder.records))
         return largest(*args, **kwargs)
 
     copies.largest_copies = counted_largest
     found: dict[str, Any] = {"norms": [], "zeros": [], "recorder": [], "gathered": gathered}
+    found |= {"filtered": [], "reordered": []}
     listed = list(params.values())
+    # Replica group 1 lists the parameters the other way round.
+    reordered = listed[::-1] if rank >= 2 else listed
     for step in _STEPS:
         for name, param in params.items():
             param.grad = grad_of(name, _local(case, name, rank, step))
         found["recorder"].append(recorder.step(step))
         found["norms"].append([gradstat.total_norm(listed, p) for p in _PS])
         found["zeros"].append(gradstat.total_zeros(listed))
+        # The usual list of gradients: a None on some ranks shortens theirs. Lists that do
+        # not line up gather (they cannot be told from copies that differ).
+        counting[0] = False
+        grads = [param.grad for param in listed if param.grad is not None]
+        found["filtered"].append([gradstat.total_norm(grads, p) for p in _PS])
+        if case in _REORDERABLE:
+            found["reordered"].append([gradstat.total_norm(reordered, p) for p in _PS])
+        counting[0] = True
     recorder.wait()
     copies.largest_copies = largest
     return found
 
 
 _CASES = ("agree", "spike", "slice spike", "none at 0", "swap", "zeros cancel", "flat spike")
+# Where copies of two parameters of the same shapes differ (swap, zeros cancel), lists in other
+# orders cannot tell which copy is which: those cases keep one order.
+_REORDERABLE = ("agree", "spike", "slice spike", "none at 0", "flat spike")
 
 
 # Per rank, its copy of a float64 gradient of four replicas, in units of 2**260: the copies'
@@ -210,6 +227,27 @@ def test_each_shard_counts_by_its_largest_copy(four_ranks: Any, case: str) -> No
             for p, norm in zip(_PS, norms, strict=True):
                 assert _close(norm, _expected(case, step, p)), (case, step, p, norm)
             assert zeros == _expected_zeros(case, step), (case, step, zeros)
+
+
+@pytest.mark.parametrize("case", _CASES)
+def test_a_list_of_the_gradients_held_counts_the_same(four_ranks: Any, case: str) -> None:
+    """``[p.grad for p in params if p.grad is not None]``: with a gradient None on some ranks,
+    the lists' places no longer lined up and shards were matched with other shards' copies
+    (0.weight against 1.weight: one counted twice, the other not at all)."""
+    for found in four_ranks.values(case):
+        for step, norms in zip(_STEPS, found["filtered"], strict=True):
+            for p, norm in zip(_PS, norms, strict=True):
+                assert _close(norm, _expected(case, step, p)), (case, step, p, norm)
+
+
+@pytest.mark.parametrize("case", _REORDERABLE)
+def test_lists_in_another_order_count_the_same(four_ranks: Any, case: str) -> None:
+    """Replica group 1 listing the parameters in another order: equal copies at other places
+    counted as copies that differ, the largest of two parameters counted for both."""
+    for found in four_ranks.values(case):
+        for step, norms in zip(_STEPS, found["reordered"], strict=True):
+            for p, norm in zip(_PS, norms, strict=True):
+                assert _close(norm, _expected(case, step, p)), (case, step, p, norm)
 
 
 @pytest.mark.parametrize("case", _CASES)

@@ -283,8 +283,9 @@ def split_by_mesh(
             continue
         group_key, size, is_copy = found
         group = bucket.groups.setdefault(group_key, CopyGroup(group_key, size, is_copy))
-        group.places.append(index if places is None else places[index])
-        group.tensors.append(dtensor.to_local())
+        local = dtensor.to_local()
+        group.add(index if places is None else places[index], dtensor, local)
+        group.tensors.append(local)
     return plain, [meshes[key] for key in sorted(meshes)]
 
 

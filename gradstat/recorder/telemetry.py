@@ -225,9 +225,10 @@ def _copy_moments(
             return
         key, size, is_copy = found
         group = groups.setdefault(key, copies.CopyGroup(key, size, is_copy))
-        group.places.append(place)
+        local = to_local(held)
+        group.add(place, held, local)
         if is_copy:  # read below; a counted shard's squares are known
-            group.tensors.append(to_local(held))
+            group.tensors.append(local)
         values.setdefault(key, []).append(math.nan if square is None else square)
 
     for (place, held), square in zip(shards, squares, strict=True):
