@@ -206,12 +206,34 @@ def _partial_then_reduced(rank: int, world_size: int, directory: str) -> list[An
     return [*norms, recorder.params is not None, steps]
 
 
+_STAGE_NAMES = ("pp", "PP", "pipe", "stage")
+
+
+def _stage_layer(stage: int) -> torch.Tensor:
+    """Pipeline stage ``stage``'s layer: the same shape on every stage, other values."""
+    return torch.arange(1, 9, dtype=torch.float32).reshape(4, 2) * (stage + 1) / 3
+
+
+def _pipeline_stages(rank: int, world_size: int, name: str) -> float:
+    """Two pipeline stages (the first mesh dimension, named ``name``) each holding its own
+    layer, sharded over data parallelism (the second): a slice of the root mesh whose left-out
+    dimension holds other layers, not copies."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=(name, "dp"))
+    stage, shard = divmod(rank, 2)
+    local = _stage_layer(stage).chunk(2)[shard].clone()
+    return gradstat.total_norm([DTensor.from_local(local, mesh["dp"], [Shard(0)])])
+
+
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Any:
     root = tmp_path_factory.mktemp("copies")
     (root / "run").mkdir()
     cases = [Case(case, _run, (case, str(root / case.replace(" ", "-")))) for case in _CASES]
     cases.append(Case("huge", _huge))
+    cases += [Case(f"stages {name}", _pipeline_stages, name) for name in _STAGE_NAMES]
     cases.append(Case("partial", _partial_then_reduced, str(root / "partial")))
     return launch(_WORLD, root / "run", cases, timeout_s=200)
 
@@ -291,3 +313,15 @@ def test_the_recorder_goes_on_through_a_step_that_has_no_norm(four_ranks: Any) -
         assert math.isnan(first) and math.isnan(second) and _close(third, 5.0)
         assert rows, "the per-parameter statistics stopped for good at the Partial steps"
         assert rank != 0 or steps == [1, 2, 3], steps  # the log held step 3 alone
+
+
+@pytest.mark.parametrize("name", _STAGE_NAMES)
+def test_pipeline_stages_hold_other_layers_whatever_the_case_of_their_name(
+    four_ranks: Any, name: str
+) -> None:
+    """A mesh dimension named PP, pipe or stage was taken for one holding copies: the larger
+    stage's layer stood for both (83.51 for 84.08 in the probe)."""
+    layers = [_stage_layer(stage).double() for stage in (0, 1)]
+    expected = math.sqrt(math.fsum(float(x) ** 2 for layer in layers for x in layer.flatten()))
+    for norm in four_ranks.values(f"stages {name}"):
+        assert _close(norm, expected), (name, norm, expected)

@@ -30,12 +30,16 @@ _CODE = re.compile(r"^(R|P|S\(\d+\))$")
 
 
 def is_pipeline_dim(name: str) -> bool:
-    """Mesh dimensions whose ranks hold different layers (``pp``, ``pipeline``...)."""
-    return name.startswith("pp") or "pipeline" in name
+    """Mesh dimensions whose ranks hold different layers, by their name in any case (``pp``,
+    ``PP``, ``pipeline``, ``pipe``, ``stage``...)."""
+    name = name.lower()
+    return name.startswith("pp") or "pipe" in name or "stage" in name
 
 
 def is_tensor_parallel_dim(name: str) -> bool:
-    """Mesh dimensions named like a tensor-parallel axis (``tp``, ``etp``, ``tensor...``)."""
+    """Mesh dimensions named like a tensor-parallel axis, in any case (``tp``, ``etp``,
+    ``TP``, ``tensor...``)."""
+    name = name.lower()
     return name in ("tp", "etp") or name.startswith("tp") or "tensor" in name
 
 
