@@ -139,6 +139,7 @@ def _run(rank: int, world_size: int, arg: tuple[str, str]) -> dict[str, Any]:
 
     copies.largest_copies = counted_largest
     found: dict[str, Any] = {"norms": [], "zeros": [], "recorder": [], "gathered": gathered}
+    found["directory"] = directory
     found |= {"filtered": [], "reordered": []}
     listed = list(params.values())
     # Replica group 1 lists the parameters the other way round.
@@ -147,6 +148,8 @@ def _run(rank: int, world_size: int, arg: tuple[str, str]) -> dict[str, Any]:
         for name, param in params.items():
             param.grad = grad_of(name, _local(case, name, rank, step))
         found["recorder"].append(recorder.step(step))
+        if case == "none at 0":  # a snapshot of each step, for the command line
+            gradstat.snapshot.dump_rank(f"{directory}/dump-{step}", list(params.items()))
         found["norms"].append([gradstat.total_norm(listed, p) for p in _PS])
         found["zeros"].append(gradstat.total_zeros(listed))
         # The usual list of gradients: a None on some ranks shortens theirs. Lists that do
@@ -325,3 +328,23 @@ def test_pipeline_stages_hold_other_layers_whatever_the_case_of_their_name(
     expected = math.sqrt(math.fsum(float(x) ** 2 for layer in layers for x in layer.flatten()))
     for norm in four_ranks.values(f"stages {name}"):
         assert _close(norm, expected), (name, norm, expected)
+
+
+@pytest.mark.parametrize("p", _PS)
+def test_a_snapshot_counts_a_shard_by_a_copy_where_coordinate_0_holds_none(
+    four_ranks: Any, tmp_path_factory: pytest.TempPathFactory, p: float
+) -> None:
+    """dump_rank's snapshot of a step where replica group 0 held no gradient of ``w``: every
+    command counted the copy at coordinate 0 alone, so ``w`` lost half its elements (3.70 for
+    3.76 in the probe, exit 0, and audit found nothing)."""
+    import json
+
+    from tests._cli import run_gradstat
+
+    root = Path(four_ranks.values("none at 0")[0]["directory"])
+    for step in (3, 4):
+        flag = "inf" if p == math.inf else str(p)
+        done = run_gradstat("norm", root / f"dump-{step}", "--json", "-p", flag)
+        assert done.returncode == 0, done.stdout + done.stderr
+        norm = json.loads(done.stdout)["total_norm"]
+        assert _close(norm, _expected("none at 0", step, p)), (step, p, norm)

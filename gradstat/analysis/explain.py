@@ -68,7 +68,8 @@ def reasons_not_counted(rank_file: RankFile, param: RebuiltParam) -> tuple[str, 
         found.append("shared")
     if record.dtensor is not None:
         tensor_parallel = bool(record.attr("tensor_model_parallel"))
-        if record.dtensor.is_replica(tensor_parallel):
+        stands_in = record.name in rank_file.header.stand_ins
+        if record.dtensor.is_replica(tensor_parallel) and not stands_in:
             found.append("dtensor_replica")
         return tuple(found)
     if record.attr("fsdp_param"):

@@ -175,7 +175,13 @@ def counts(rank_file: Placed, param: RebuiltParam) -> bool:
                 "the gradients are reduced"
             )
         tensor_parallel = bool(record.attr("tensor_model_parallel"))
-        return param_is_not_shared(param) and not record.dtensor.is_replica(tensor_parallel)
+        if not param_is_not_shared(param):
+            return False
+        # A copy counts where the one at coordinate 0 holds no gradient (see stand_ins).
+        return (
+            not record.dtensor.is_replica(tensor_parallel)
+            or record.name in rank_file.header.stand_ins
+        )
     if record.attr("fsdp_param"):
         return True
     # The core's filters, as grads_for_norm applies them (the gradient is not looked up).

@@ -139,11 +139,14 @@ def with_stand_ins(files: Sequence[Any], everyone: Sequence[Listing]) -> list[An
             without[expert, _site(coords, expert), name].add(_place(coords, expert))
     if not without:
         return list(files)
+    copies = _copy_stand_ins(everyone)
     marked = []
     for file in files:
         header = file.header
-        names = set()
+        names = set(copies.get(header.rank, ()))
         for record in () if header.distributed_optimizer else header.params:
+            if record.dtensor is not None:
+                continue  # placements decide: its copies are _copy_stand_ins'
             expert = record.is_expert
             site = _site(header.coords, expert)
             empty = without.get((expert, site, record.name))
@@ -157,3 +160,29 @@ def with_stand_ins(files: Sequence[Any], everyone: Sequence[Listing]) -> list[An
             file = replace(file, header=replace(header, stand_ins=frozenset(names)))
         marked.append(file)
     return marked
+
+
+def _copy_stand_ins(everyone: Sequence[Listing]) -> dict[int, set[str]]:
+    """Per rank file (by rank), the DTensor records that stand in for their shard's copy at
+    coordinate 0, which holds no gradient (its rank's gradient was None): of the copies that
+    hold one, the one at the lowest coordinate along the copies' dimensions, as
+    :func:`gradstat.total_norm` counts such a shard by a copy that holds it."""
+    counted = set()
+    held: dict[tuple[Any, ...], list[tuple[tuple[int, ...], int]]] = defaultdict(list)
+    for found in everyone:
+        header = found.header
+        for record in header.params:
+            place = record.dtensor
+            if place is None or not record.has_grad:
+                continue
+            shard = (record.name, place.global_shape, place.global_offset, record.shape)
+            along = place.copy_dims(bool(record.attr("tensor_model_parallel")))
+            if any(index for _, index, _ in along):
+                held[shard].append((tuple(index for _, index, _ in along), header.rank))
+            else:
+                counted.add(shard)
+    found_by_rank: dict[int, set[str]] = defaultdict(set)
+    for shard, copies in held.items():
+        if shard not in counted:
+            found_by_rank[min(copies)[1]].add(shard[0])
+    return found_by_rank
