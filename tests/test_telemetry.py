@@ -464,6 +464,8 @@ def _ranks_log_different_norms(rank: int, world_size: int, directory: str) -> An
         logged = torch.nn.utils.get_total_norm([param.grad for param in model.parameters()])
         if step == 3 and rank == 1:
             logged = logged * 1.5
+        if step == 4 and rank == 1:  # an ulp apart (reduced in another order): one norm
+            logged = math.nextafter(float(logged), math.inf)
         if step == 5:  # both replicas counted: what a loop summing over data parallelism logs
             logged = logged * math.sqrt(2.0)
         recorder.step(step, logged_norm=logged)

@@ -346,8 +346,9 @@ class Recorder:
         explained = None
         if "mismatch" in triggers and self._agreement.rank == 0:
             warn(f"step {number}: {why}")
-            if logged is not None and before["logged_top"] == -before["logged_low"]:
-                explained = self._explainer(number, logged)
+            highest, lowest = _from_bits(before["logged_top"]), _from_bits(-before["logged_low"])
+            if logged is not None and not self._triggers.disagrees(lowest, highest):
+                explained = self._explainer(number, highest)
         snapshot = self._snapshot(
             number, triggers, repeat, (low, top, before["busy"]), explained, norm
         )
@@ -471,12 +472,13 @@ class Recorder:
         if not before["given_top"]:
             return False, ""
         highest, lowest = _from_bits(before["logged_top"]), _from_bits(-before["logged_low"])
-        if before["logged_top"] != -before["logged_low"]:
+        if self._triggers.disagrees(lowest, highest):  # an ulp apart is one norm, reduced apart
             return True, (
-                f"the ranks passed different logged norms, from {lowest:.9g} to {highest:.9g} "
+                f"the ranks passed different logged norms, from {lowest!r} to {highest!r} "
                 f"(do they clip with different norms?); the exact norm is {norm:.9g}"
             )
         assert logged is not None
+        logged = highest  # every rank decides alike
         if not self._triggers.disagrees(norm, logged):
             return False, ""
         if not (math.isfinite(logged) and math.isfinite(norm)):
