@@ -366,6 +366,7 @@ def test_a_snapshot_without_the_recorders_marker_is_classed_by_its_triggers(
         ({"steps": "7"}, TypeError, "steps must be a list of integers"),
         ({"steps": [4.7]}, TypeError, "step must be an integer"),
         ({"steps": [-1]}, ValueError, "step must be >= 0"),
+        ({"steps": [2**63]}, ValueError, "step must be < 2**63"),  # the log's int64
         ({"max_dump_s": math.inf}, ValueError, "max_dump_s must be a finite number"),
         ({"agree_timeout_s": "5"}, TypeError, "agree_timeout_s must be a number"),
         ({"norm_type": -1}, ValueError, "norm"),
@@ -399,6 +400,7 @@ def test_bad_arguments_are_refused_in_one_line(
         (torch.tensor([1, 2]), TypeError),
         (-1, ValueError),
         (torch.tensor(-1), ValueError),
+        (2**63, ValueError),  # raised struct.error out of the log, the snapshot written
     ],
 )
 def test_a_step_that_is_not_a_non_negative_integer_is_refused(

@@ -81,7 +81,7 @@ def step_number(step: Any) -> int:
     Raises:
         ArgumentTypeError: a float, a string, a bool, a float tensor or a tensor of more than
             one element (a float step would be recorded rounded down).
-        ArgumentError: a negative step.
+        ArgumentError: a negative step, or one past a signed 64-bit integer (the log's).
     """
     if isinstance(step, torch.Tensor):
         if step.numel() != 1 or step.dtype.is_floating_point or step.dtype.is_complex:
@@ -95,6 +95,8 @@ def step_number(step: Any) -> int:
         number = _whole("step", step)
     if number < 0:
         raise ArgumentError(f"step must be >= 0, got {number}")
+    if number >= 2**63:
+        raise ArgumentError(f"step must be < 2**63 (the log keeps int64 steps), got {number}")
     return number
 
 
