@@ -101,6 +101,7 @@ def test_an_unreadable_snapshot_is_skipped_with_one_line_and_the_others_read(
     result = _gradstat("history", str(tmp_path), "--source", "snapshots", "--json")
     assert result.returncode == 1  # the NaN at step NAN_AT, as without the cut snapshot
     assert json.loads(result.stdout)["problems"] == lines
+    assert json.loads(result.stdout)["warnings"] == lines  # as every document's, on stderr
     assert result.stderr == f"gradstat: warning: {lines[0]}\n"
     for step in range(1, STEPS + 1):  # none readable: the first one's error
         if step != 4:

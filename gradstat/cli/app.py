@@ -101,15 +101,21 @@ def _one_line_warnings(show: Callable[..., None]) -> Callable[..., None]:
     ) -> None:
         if not issubclass(category, (NativeKernelWarning, DumpWarning)):
             show(message, category, *where, **more)
-            return
-        from gradstat.cli.render import visible
-
-        if _SESSIONS:
-            _SESSIONS[-1].warnings.append(str(message))  # for the JSON document
-        if os.environ.get("LOCAL_RANK", "0") == "0":
-            typer.echo(f"gradstat: warning: {visible(str(message))}", err=True)
+        else:
+            _warning_line(str(message))
 
     return show_warning
+
+
+def _warning_line(line: str) -> None:
+    """One warning: on stderr (once per machine under a launcher), and in the JSON document's
+    ``warnings``."""
+    if _SESSIONS:
+        _SESSIONS[-1].warnings.append(line)
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        from gradstat.cli.render import visible
+
+        typer.echo(f"gradstat: warning: {visible(line)}", err=True)
 
 
 def _message(error: GradstatError | OSError) -> str:
@@ -1084,7 +1090,7 @@ def history(
     status 1 when a parameter's norm went NaN or Inf.
     """
     from gradstat.analysis.history import SOURCES, read_history
-    from gradstat.cli.render import print_history, visible
+    from gradstat.cli.render import print_history
     from gradstat.distributed.runner import Progress
 
     p = None if norm_type is None else _parse_norm_type(norm_type)
@@ -1119,7 +1125,7 @@ def history(
         until=until,
         source=source,
         on_progress=progress,
-        report=lambda line: typer.echo(f"gradstat: warning: {visible(line)}", err=True),
+        report=_warning_line,
         options=_layout(tp_sharded, tp_replicated, etp, gtp, tied_output, kind),
     )
     session.stop_progress()
