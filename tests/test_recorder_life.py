@@ -281,6 +281,34 @@ def test_routine_snapshots_never_push_out_the_spike_and_the_nan(tmp_path: Path) 
     assert [step for step, _ in complete_snapshots(tmp_path)] == [9, 17, 20, 25, 30]
 
 
+def test_a_run_of_mismatches_never_pushes_out_the_nan(tmp_path: Path) -> None:
+    """Triggered snapshots were one kind: with keep=2, mismatches at steps 6, 8 and 10 (a loop
+    that logs another norm) left steps 7 and 9, and the NaN of step 3 was gone. Each trigger
+    now keeps its own; a spike-and-mismatch snapshot stays while either keeps it."""
+    model = torch.nn.Linear(2, 2)
+    recorder = gradstat.Recorder(model, tmp_path, keep=2, spike=10.0, warmup=1)
+    for step in range(1, 11):
+        _backward(model, torch.ones(1, 2))
+        if step == 3:
+            model.bias.grad[0] = math.nan
+        if step == 4:
+            model.weight.grad.mul_(1000.0)  # a spike, logged wrong too
+        exact = gradstat.total_norm(model.parameters())
+        logged = exact * 2.0 if step in (4, 6, 8, 10) else exact
+        recorder.step(step, logged_norm=logged)
+    recorder.wait()
+    fired = {record.step: record.triggers for record in recorder.records if record.triggers}
+    assert fired == {
+        3: ("nonfinite",),
+        4: ("spike", "mismatch"),
+        6: ("mismatch",),
+        8: ("mismatch",),
+        10: ("mismatch",),
+    }, fired
+    # nonfinite keeps 3; spike keeps 4 (mismatch keeps 8 and 10 only)
+    assert [step for step, _ in complete_snapshots(tmp_path)] == [3, 4, 8, 10]
+
+
 def test_after_a_resume_the_new_snapshots_are_kept_over_the_old_runs_larger_steps(
     tmp_path: Path,
 ) -> None:

@@ -115,8 +115,9 @@ class Recorder:
         warmup: finite norms needed before ``spike`` can fire (at most ``window``).
         steps: steps to dump whatever the norm (non-negative integers).
         every: dump every this many steps (None: never).
-        keep: snapshots kept on disk of each kind, routine (``every``, ``step``) and triggered
-            (``nonfinite``, ``spike``, ``mismatch``), the oldest written removed first (>= 1).
+        keep: snapshots kept on disk of each kind, routine (``every``, ``step``) and each
+            trigger (``nonfinite``, ``spike``, ``mismatch``), the oldest written removed first
+            (>= 1); a snapshot of several triggers stays while one of its kinds keeps it.
         group: the group the norm is reduced over. None: Megatron's model-parallel group in a
             live Megatron job, else the torch-native default (see :func:`gradstat.total_norm`).
         grad_attr: "grad", "main_grad" or "decoupled_grad"; None: "main_grad" when any

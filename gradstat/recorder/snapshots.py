@@ -3,7 +3,10 @@
 Each Recorder is an attempt, with an id rank 0 draws at construction. A snapshot is written into
 ``.step-N.<attempt>-<k>.partial/`` and renamed ``step-N`` by rank 0 once every rank file is
 there; a step that already has one gets ``step-N.1``, ``step-N.2``, ... Routine snapshots
-(``every``, ``step``) and triggered ones are kept apart, the ``keep`` newest-written of each.
+(``every``, ``step``) and those of each trigger (``nonfinite``, ``spike``, ``mismatch``) are kept
+apart, the ``keep`` newest-written of each kind: a run of mismatches never pushes out the
+snapshot of a NaN. A snapshot of several triggers stays while one of its kinds keeps it; one
+whose triggers are unknown (no marker, no readable header: not the recorder's) is never removed.
 """
 
 from __future__ import annotations
@@ -63,13 +66,24 @@ def _header_triggers(snapshot: Path) -> tuple[str, ...] | None:
         return None
 
 
-def _kind_and_time(snapshot: Path) -> tuple[bool, int]:
-    """Whether ``snapshot`` is routine, and when it was written (ns): from its marker, else
-    from its rank 0 file (triggers unknown: kept as triggered, never pushed out by routine
-    ones)."""
+_UNKNOWN = "unknown"
+
+
+def kinds_of(triggers: Sequence[str] | None) -> frozenset[str]:
+    """The retention kinds of a snapshot taken for ``triggers``: ``routine`` when every one
+    is, else each other trigger; ``unknown`` (never removed) without any."""
+    if not triggers:
+        return frozenset({_UNKNOWN})
+    found = set(triggers) - ROUTINE_TRIGGERS
+    return frozenset(found or {"routine"})
+
+
+def _kinds_and_time(snapshot: Path) -> tuple[frozenset[str], int]:
+    """The retention kinds of ``snapshot`` (see :func:`kinds_of`) and when it was written (ns):
+    from its marker, else from its rank 0 file."""
     try:
         marker = json.loads((snapshot / RECORDER_MARKER).read_text())
-        return set(marker["triggers"]) <= ROUTINE_TRIGGERS, int(marker["written_ns"])
+        return kinds_of([str(name) for name in marker["triggers"]]), int(marker["written_ns"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
     triggers = _header_triggers(snapshot)
@@ -77,8 +91,7 @@ def _kind_and_time(snapshot: Path) -> tuple[bool, int]:
         written = snapshot.stat().st_mtime_ns
     except OSError:
         written = 0
-    routine = triggers is not None and bool(triggers) and set(triggers) <= ROUTINE_TRIGGERS
-    return routine, written
+    return kinds_of(triggers), written
 
 
 class Snapshots:
@@ -149,9 +162,8 @@ class Snapshots:
         repeat = 0
         while (path := self.final(step, repeat)).exists() or path.name in self._removed:
             repeat += 1
-        routine = set(triggers) <= ROUTINE_TRIGGERS
         try:
-            self._trim(routine, self.keep - 1)
+            self._trim(kinds_of(triggers), self.keep - 1)
         except OSError as error:
             warn(f"step {step}: cannot remove old snapshots ({error}); training goes on")
         return repeat
@@ -159,17 +171,24 @@ class Snapshots:
     def final(self, step: int, repeat: int) -> Path:
         return self.directory / snapshot_name(step, repeat)
 
-    def _trim(self, routine: bool, bound: int) -> None:
-        """Remove the oldest-written complete snapshots of one kind beyond ``bound``."""
+    def _trim(self, kinds: frozenset[str], bound: int) -> None:
+        """Remove the complete snapshots no kind keeps: each of ``kinds`` keeps its ``bound``
+        newest-written, every other kind its ``keep``."""
         if not self.directory.is_dir():
             return
-        same_kind = []
+        found = []
+        by_kind: dict[str, list[tuple[int, str]]] = {}
         for _, path in complete_snapshots(self.directory):
-            kind, written = _kind_and_time(path)
-            if kind == routine:
-                same_kind.append((written, path.name, path))
-        same_kind.sort()
-        removed = [path for _, _, path in same_kind[: max(0, len(same_kind) - bound)]]
+            held, written = _kinds_and_time(path)
+            found.append((held, path))
+            for kind in held:
+                by_kind.setdefault(kind, []).append((written, path.name))
+        kept: set[str] = set()
+        for kind, ages in by_kind.items():
+            ages.sort(reverse=True)  # the newest first
+            limit = len(ages) if kind == _UNKNOWN else bound if kind in kinds else self.keep
+            kept.update(name for _, name in ages[: max(limit, 0)])
+        removed = [path for _, path in found if path.name not in kept]
         if not removed:
             return
         self._removed.update(path.name for path in removed)
@@ -228,7 +247,7 @@ class Snapshots:
                         marker["norm"] = {"type": norm[0], "value": norm[1]}
                     (partial / RECORDER_MARKER).write_text(json.dumps(marker))
                     os.rename(partial, final)
-                    self._trim(set(triggers) <= ROUTINE_TRIGGERS, self.keep)
+                    self._trim(kinds_of(triggers), self.keep)
                     if on_complete is not None:
                         on_complete(final)
             except Exception as error:  # a thread's traceback would be lost in the job's log
