@@ -319,6 +319,31 @@ def test_a_snapshot_taken_for_a_nan_on_an_uncounted_replica_says_so(two_ranks: A
     assert text.returncode == 1 and "yet every counted copy is finite" in text.stdout
 
 
+@pytest.mark.parametrize("kind", ["nan", "spike"])
+def test_history_from_snapshots_says_where_the_recorders_norm_differs(
+    two_ranks: Any, kind: str
+) -> None:
+    """``history --source snapshots`` of a run whose NaN (spike) was on the replica snapshots
+    do not count: calm totals, no NaN, exit status 0. It now says which snapshot's counted
+    copies are not what the recorder saw, and exits 1."""
+    import json
+
+    from gradstat.recorder import complete_snapshots
+    from tests._cli import run_gradstat
+
+    root, _ = two_ranks
+    (step, snapshot), *_ = complete_snapshots(root / kind)
+    done = run_gradstat("history", root / kind, "--source", "snapshots", "--json")
+    assert done.returncode == 1, done.stdout + done.stderr
+    report = json.loads(done.stdout)
+    (kept,) = [row for row in report["snapshots"] if row["step"] == step]
+    assert kept["recorder_differs"] is True
+    assert any(
+        line.startswith(f"{snapshot}: the recorder's norm of step") for line in report["problems"]
+    )
+    assert report["warnings"] == report["problems"]
+
+
 @pytest.mark.parametrize("kind", ["spike", "apart"])
 def test_gradstat_norm_of_a_recorded_snapshot_says_where_the_recorders_norm_differs(
     two_ranks: Any, kind: str

@@ -43,9 +43,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gradstat.analysis.report import json_number
+from gradstat.analysis.report import json_number, recorded_differs
 from gradstat.analysis.stats import SnapshotStats, snapshot_stats
 from gradstat.errors import SnapshotError
+from gradstat.snapshot.format import recorded_norm
 from gradstat.snapshot.reader import Snapshot, holds_rank_files
 
 if TYPE_CHECKING:
@@ -143,6 +144,9 @@ class KeptSnapshot:
     total_norm: float
     num_zeros: int | None  # None: a log record without per-parameter statistics
     triggers: tuple[str, ...]
+    # Read from snapshots: the flight recorder's norm of the step is not what the snapshot
+    # counts (a NaN, Inf or spike on a copy it does not count; ``gradstat audit`` names it).
+    recorder_differs: bool = False
 
 
 @dataclass
@@ -203,6 +207,7 @@ class History:
                     "total_norm": json_number(kept.total_norm),
                     "num_zeros": kept.num_zeros,
                     "triggers": list(kept.triggers),
+                    "recorder_differs": kept.recorder_differs,
                 }
                 for kept in self.snapshots
             ],
@@ -355,9 +360,17 @@ def _from_snapshots(
     history = History(norm_type, "snapshots", param_norm_type=norm_type, problems=skipped.lines)
     for done, (step, path, snapshot) in enumerate(chosen, 1):
         try:
-            _add_snapshot(history, step, path, snapshot, norm_type)
+            kept = _add_snapshot(history, step, path, snapshot, norm_type)
         except SnapshotError as error:  # changed since it was opened: cut, rewritten
             skipped(f"{path}: skipped, unreadable: {error}")
+            continue
+        if kept.recorder_differs:
+            recorded = recorded_norm(path, norm_type)
+            skipped(
+                f"{path}: the recorder's norm of step {step} was {recorded:.9g}, the snapshot "
+                f"counts {kept.total_norm:.9g}: a copy it does not count holds another value "
+                "(gradstat audit names it)"
+            )
         if on_progress is not None:
             on_progress(done, len(chosen), "snapshots")
     if not history.steps:
@@ -368,15 +381,18 @@ def _from_snapshots(
 def _read_kept(
     path: Path, step: int, snapshot: Snapshot, norm_type: float
 ) -> tuple[KeptSnapshot, SnapshotStats]:
-    """A snapshot read for its own numbers."""
+    """A snapshot read for its own numbers, and whether they are the recorder's of its step."""
     stats = snapshot_stats(snapshot, (norm_type,))
     triggers = snapshot.files[0].header.triggers
-    return KeptSnapshot(path, step, stats.norm(norm_type), stats.zeros, triggers), stats
+    total = stats.norm(norm_type)
+    differs = recorded_differs(recorded_norm(path, norm_type), total)
+    kept = KeptSnapshot(path, step, total, stats.zeros, triggers, differs)
+    return kept, stats
 
 
 def _add_snapshot(
     history: History, step: int, path: Path, snapshot: Snapshot, norm_type: float
-) -> None:
+) -> KeptSnapshot:
     kept, stats = _read_kept(path, step, snapshot, norm_type)
     history.steps.append(step)
     history.paths.append(path)
@@ -392,6 +408,7 @@ def _add_snapshot(
         nan = sum(found.nan for found in stats.nonfinite if found.name == param.name)
         inf = sum(found.inf for found in stats.nonfinite if found.name == param.name)
         series.add(step, param.norm(norm_type), param.zeros, nan=nan, inf=inf)
+    return kept
 
 
 def _from_log(

@@ -45,6 +45,17 @@ __all__ = [
 ]
 
 
+def recorded_differs(recorded: float | None, total: float) -> bool:
+    """Whether the flight recorder's norm of a step (``recorded``; None: not recorded) is not
+    its snapshot's ``total``: the recorder counts every copy (the largest data-parallel replica,
+    each DTensor shard's largest copy) where a snapshot counts one, so a copy the snapshot does
+    not count differs (``gradstat audit`` names it); or the recorder and the snapshot were told
+    of different parallel layouts."""
+    if recorded is None or (math.isnan(recorded) and math.isnan(total)) or recorded == total:
+        return False
+    return not (math.isfinite(recorded) and abs(recorded - total) <= 1e-6 * abs(recorded))
+
+
 def json_number(value: float) -> float | str:
     """A float for JSON: non-finite values become the strings "nan", "inf", "-inf"."""
     if math.isfinite(value):
@@ -233,18 +244,11 @@ class NormReport:
 
     @property
     def recorded_norm_differs(self) -> bool:
-        """The flight recorder's norm of the step is not the snapshot's: it counts every copy
-        (the largest data-parallel replica, each DTensor shard's largest copy) where a snapshot
-        counts one, so a copy the snapshot does not count differs (``gradstat audit`` names
-        it); or the recorder and the snapshot were told of different parallel layouts."""
-        recorded, total = self.recorded_norm, self.total_norm
-        if recorded is None or (math.isnan(recorded) and math.isnan(total)):
-            return False
+        """The flight recorder's norm of the step is not the snapshot's (see
+        :func:`recorded_differs`); the non-finite case is :attr:`nonfinite_not_counted`'s."""
         if self.nonfinite_not_counted:
             return False  # the same fact, said already
-        if recorded == total:
-            return False
-        return not (math.isfinite(recorded) and abs(recorded - total) <= 1e-6 * abs(recorded))
+        return recorded_differs(self.recorded_norm, self.total_norm)
 
     def to_json(self) -> dict[str, Any]:
         data = as_dict(self)

@@ -1135,7 +1135,9 @@ def history(
         write_pictures(found, plot, tensorboard, top or 8, progress)
         session.stop_progress()
     _emit(as_json, found.to_json(), lambda console: print_history(console, found, top or 20))
-    if any(series.went_nonfinite for series in found.params.values()):
+    if any(series.went_nonfinite for series in found.params.values()) or any(
+        kept.recorder_differs for kept in found.snapshots
+    ):
         raise typer.Exit(EXIT_FINDINGS)
 
 
