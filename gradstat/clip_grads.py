@@ -326,8 +326,10 @@ def get_grad_norm_fp32(
     gradients that count (see :func:`grads_for_norm`): gradients, as Megatron's API takes them;
     a tensor that requires grad (or holds a ``.grad``) is a parameter given by mistake and is
     refused. A sparse gradient counts by its values. DTensor gradients count by their own
-    placements on any mesh (Shard pieces all, Replicate copies once) and are reduced over their
-    mesh first, unless the stats group covers the mesh: a mesh rank is never counted twice.
+    placements on any mesh (Shard pieces all, Replicate copies once: the copy at coordinate 0,
+    so a NaN or spike on another copy is :func:`total_norm`'s to find, which counts each shard
+    by its largest copy) and are reduced over their mesh first, unless the stats group covers
+    the mesh: a mesh rank is never counted twice.
     With the default group every rank joins one all-reduce whatever its list holds; with a
     smaller group that does not cover a DTensor's mesh, every rank of the mesh must pass
     gradients of that mesh. A module left out of a TP plan lives on a slice of the mesh and is a
