@@ -648,3 +648,46 @@ def test_a_peer_that_never_comes_is_named_after_agree_timeout_s(
         errors, _elapsed = report.values(case)[waiting]
         assert len(errors) == 2 and errors[0] == errors[1]
         assert errors[0].startswith(message) and "\n" not in errors[0], errors[0]
+
+
+_DIES_BETWEEN_STEPS = """
+import os, sys, time, torch, torch.distributed as dist, gradstat
+from gradstat.errors import PeerTimeoutError
+dist.init_process_group("gloo")
+model = torch.nn.Linear(3, 2)
+recorder = gradstat.Recorder(model, sys.argv[1], spike=None, agree_timeout_s=5)
+for param in model.parameters():
+    param.grad = torch.ones_like(param)
+recorder.step(1)
+if dist.get_rank() == 1:
+    os._exit(0)  # killed between steps: its connections close
+time.sleep(1)
+try:
+    recorder.step(2)
+    print("no error", flush=True)
+except PeerTimeoutError as error:
+    print("PeerTimeoutError:", error, flush=True)
+except Exception as error:
+    print("other:", type(error).__name__, flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_peer_killed_between_steps_is_named_as_the_peer_that_did_not_come(
+    tmp_path: Path,
+) -> None:
+    """gloo's "Connection closed by peer" came out of step() as a RuntimeError (posting the
+    receive from a rank whose process is gone), not the documented PeerTimeoutError."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "dies.py"
+    script.write_text(_DIES_BETWEEN_STEPS)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", "2", str(script), str(tmp_path / "run")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    said = [line for line in done.stdout.splitlines() if line.strip()]
+    assert said and said[-1].startswith("PeerTimeoutError: rank 0: rank 1 did not reach"), (
+        done.stdout + done.stderr[-2000:]
+    )

@@ -118,11 +118,13 @@ class Agreement:
     ) -> list[int]:
         deadline = time.monotonic() + self.timeout_s + self.grace_s
         received = {src: torch.zeros(len(values), dtype=torch.int64) for src in range(1, self.size)}
-        works = {
-            src: _posted(dist.irecv(buffer, src=src, group=self.group))
-            for src, buffer in received.items()
-        }
+        works = {}
         missing = []
+        for src, buffer in received.items():
+            try:
+                works[src] = _posted(dist.irecv(buffer, src=src, group=self.group))
+            except RuntimeError:  # gloo: the peer's connection is closed already (it died)
+                missing.append(src)
         for src, work in works.items():
             remaining = max(deadline - time.monotonic(), 0.001)
             try:
@@ -130,6 +132,7 @@ class Agreement:
             except RuntimeError:  # gloo: timed out, or the peer's connection closed
                 missing.append(src)
         if missing:
+            missing.sort()
             named = missing[:_NAMED_MISSING]
             self._send_all([1, len(missing), *named], length, skip=set(missing))
             raise self._missing(what, len(missing), named)
@@ -141,22 +144,22 @@ class Agreement:
     def _send_all(self, answer: list[int], length: int, skip: set[int]) -> None:
         message = torch.zeros(length, dtype=torch.int64)
         message[: len(answer)] = torch.tensor(answer, dtype=torch.int64)
-        works = [
-            _posted(dist.isend(message, dst=dst, group=self.group))
-            for dst in range(1, self.size)
-            if dst not in skip
-        ]
+        works = []
+        for dst in range(1, self.size):
+            if dst not in skip:
+                with suppress(RuntimeError):  # a rank that left: nothing to tell it
+                    works.append(_posted(dist.isend(message, dst=dst, group=self.group)))
         for work in works:
             with suppress(RuntimeError):  # a rank that left finds out at its own wait
                 work.wait(timedelta(seconds=self.timeout_s))
 
     def _answer_from_zero(self, what: str, values: list[int], length: int) -> list[int]:
         values_tensor = torch.tensor(values, dtype=torch.int64)
-        sent = _posted(dist.isend(values_tensor, dst=0, group=self.group))
         answer = torch.zeros(length, dtype=torch.int64)
         # Rank 0 may wait timeout_s for another rank before it answers.
         patience = 2 * self.timeout_s + self.grace_s
         try:
+            sent = _posted(dist.isend(values_tensor, dst=0, group=self.group))
             received = _posted(dist.irecv(answer, src=0, group=self.group))
             received.wait(timedelta(seconds=patience))
             sent.wait(timedelta(seconds=patience))
