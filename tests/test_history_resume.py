@@ -227,6 +227,23 @@ def test_a_norm_type_asked_for_reads_the_attempts_that_recorded_it(tmp_path: Pat
         read_history(tmp_path, 1.0)
 
 
+def test_steps_a_later_attempt_replayed_with_another_norm_type_are_left_out(
+    tmp_path: Path,
+) -> None:
+    """Attempt 1 records steps 1..3 with L2; a rollback replays 2..4 with the max norm. The L2
+    history showed attempt 1's steps 2 and 3, replaced by the replay, without a word."""
+    model = _model()
+    first = _attempt(model, tmp_path, range(1, 4))
+    _attempt(model, tmp_path, range(2, 5), norm_type=math.inf)
+    lines: list[str] = []
+    history = read_history(tmp_path, 2.0, report=lines.append)
+    assert (history.norm_type, history.steps) == (2.0, [1])
+    assert _close(history.totals[0], float64_norm(first[1], 2))
+    assert all(series.steps == [1] for series in history.params.values())
+    (line,) = lines
+    assert "left out 3 steps (2 .. 4)" in line and "-p inf" in line, line
+
+
 def test_records_after_a_damaged_start_record_are_left_out_not_given_another_attempts(
     tmp_path: Path,
 ) -> None:

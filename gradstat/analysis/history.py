@@ -426,6 +426,8 @@ def _from_log(
     starts: list[StartRecord] = []
     # norm type: step: that step's latest record of that norm type (a replay's last one wins).
     latest: dict[float, dict[int, Any]] = {}
+    # step: the norm type of its latest record, any attempt's (the step as the run went on).
+    newest_of: dict[int, float] = {}
     # (step, repeat): the norm type and what the latest record that took that snapshot says of
     # its step. Any attempt's: a replay without a trigger must not hide a killed run's snapshot.
     took: dict[tuple[int, int], tuple[float, float, int | None, tuple[str, ...]]] = {}
@@ -436,6 +438,7 @@ def _from_log(
         if _within(record.step, since, until):
             newest_in_range = start.norm_type
             latest.setdefault(start.norm_type, {})[record.step] = record
+            newest_of[record.step] = start.norm_type
             if record.repeat >= 0:
                 took[record.step, record.repeat] = (
                     start.norm_type,
@@ -460,8 +463,13 @@ def _from_log(
         norm_type = next(
             value for value in (newest_in_range, newest, starts[-1].norm_type) if value is not None
         )
-    chosen = latest.get(norm_type, {})
-    _report_left_out(log, latest, norm_type, asked, problems)
+    # A step a later attempt replayed with another norm type is that attempt's: left out.
+    chosen = {
+        step: record
+        for step, record in latest.get(norm_type, {}).items()
+        if newest_of[step] == norm_type
+    }
+    _report_left_out(log, newest_of, norm_type, asked, problems)
     kept = _kept_snapshots(root, since, until, norm_type, took, problems)
     if not chosen and not kept:
         other = f" with the {_p(norm_type)} norm" if latest else ""
@@ -488,21 +496,18 @@ def _from_log(
 
 def _report_left_out(
     log: Path,
-    latest: dict[float, dict[int, Any]],
+    newest_of: dict[int, float],
     norm_type: float,
     asked: bool,
     problems: _Problems,
 ) -> None:
-    """One line for the steps an attempt recorded with another norm type than ``norm_type``
-    (and no attempt with it): a history never mixes the two."""
-    chosen = latest.get(norm_type, {})
-    left_out = sorted(
-        {step for other, records in latest.items() if other != norm_type for step in records}
-        - chosen.keys()
-    )
+    """One line for the steps whose latest attempt recorded them with another norm type than
+    ``norm_type`` (an earlier attempt's record of the step, replaced, is not shown): a history
+    never mixes the two."""
+    left_out = sorted(step for step, other in newest_of.items() if other != norm_type)
     if not left_out:
         return
-    others = sorted(other for other, records in latest.items() if other != norm_type and records)
+    others = sorted({other for other in newest_of.values() if other != norm_type})
     names = " and ".join(_p(other) for other in others)
     options = " or ".join(f"-p {_p(other)}" for other in others)
     why = "the one asked for" if asked else "the latest attempt's"
