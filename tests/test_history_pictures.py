@@ -221,3 +221,19 @@ def test_a_missing_extra_is_named(
         f"gradstat: error: {option} needs {module}: pip install 'gradstat[plot]'\n"
     )
     assert list(tmp_path.iterdir()) == []
+
+
+def test_norms_near_float64s_ends_are_drawn_without_a_warning(tmp_path: Path) -> None:
+    """float64 gradients of 1e300 and 1e-46: matplotlib's log scale overflowed, and numpy's
+    RuntimeWarning (two lines of source) went to stderr beside the figure."""
+    weight = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    recorder = gradstat.Recorder([("weight", weight)], tmp_path / "run", spike=None)
+    for step, scale in enumerate((1e300, 1e-46, 1e150, 1.0), 1):
+        weight.grad = torch.full((4,), scale, dtype=torch.float64)
+        recorder.step(step)
+    recorder.wait()
+    png = tmp_path / "history.png"
+    result = run_gradstat("history", str(tmp_path / "run"), "--plot", str(png))
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert png.read_bytes()[: len(PNG_MAGIC)] == PNG_MAGIC

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -70,7 +71,11 @@ def write_pictures(
         _check_tensorboard_target(tensorboard)
         _import_file_writer()
     if plot is not None:
-        _write_plot(history, plot, top, progress)
+        with warnings.catch_warnings():
+            # Norms near float64's ends overflow matplotlib's log-scale arithmetic (numpy says
+            # so on stderr); the figure is drawn all the same.
+            warnings.simplefilter("ignore", RuntimeWarning)
+            _write_plot(history, plot, top, progress)
     if tensorboard is not None:
         _write_tensorboard(history, tensorboard, progress)
 
