@@ -418,6 +418,17 @@ def test_bad_arguments_are_refused_in_one_line(
     assert says in str(raised.value) and "\n" not in str(raised.value)
 
 
+def test_pairs_that_name_a_parameter_twice_are_refused(tmp_path: Path) -> None:
+    """Two gradients under one name: their per-parameter rows merged into one without a word,
+    and every snapshot was lost (one warning each)."""
+    first, second = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+    with pytest.raises(GradstatError) as raised:
+        gradstat.Recorder([("w", first), ("w", second)], tmp_path, spike=None)
+    assert isinstance(raised.value, ValueError)
+    assert "the name 'w' is given twice" in str(raised.value)
+    assert not (tmp_path / LOG_NAME).exists()
+
+
 @pytest.mark.parametrize(
     ("step", "kind"),
     [

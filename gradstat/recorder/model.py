@@ -18,6 +18,7 @@ from gradstat.core.predicates import (
     param_is_not_shared,
     param_is_not_tensor_parallel_duplicate,
 )
+from gradstat.errors import ArgumentError
 from gradstat.snapshot.capture import gradients_to_dump, named_gradients
 
 __all__ = ["Gradients", "is_gradient"]
@@ -69,6 +70,14 @@ class Gradients:
         )
         if self.distributed_optimizer and optimizer is not None:
             self._modules = None  # fragments of buffers allocated once: fixed
+        if self._modules is None:
+            # A name given twice would merge two gradients' statistics into one row, and no
+            # snapshot could be written.
+            seen: set[str] = set()
+            for name, _ in pairs:
+                if name in seen:
+                    raise ArgumentError(f"model: the name {name!r} is given twice")
+                seen.add(name)
         self._pairs = pairs
 
     @property
