@@ -101,16 +101,16 @@ def _one_line_warnings(show: Callable[..., None]) -> Callable[..., None]:
     ) -> None:
         if not issubclass(category, (NativeKernelWarning, DumpWarning)):
             show(message, category, *where, **more)
-        else:
-            _warning_line(str(message))
+        else:  # the kernel's fallback is of the machine, not of the numbers: stderr alone
+            _warning_line(str(message), about_data=category is not NativeKernelWarning)
 
     return show_warning
 
 
-def _warning_line(line: str) -> None:
-    """One warning: on stderr (once per machine under a launcher), and in the JSON document's
-    ``warnings``."""
-    if _SESSIONS:
+def _warning_line(line: str, about_data: bool = True) -> None:
+    """One warning: on stderr (once per machine under a launcher), and, ``about_data``, in
+    the JSON document's ``warnings``."""
+    if _SESSIONS and about_data:
         _SESSIONS[-1].warnings.append(line)
     if os.environ.get("LOCAL_RANK", "0") == "0":
         from gradstat.cli.render import visible

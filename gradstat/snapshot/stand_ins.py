@@ -175,7 +175,13 @@ def _copy_stand_ins(everyone: Sequence[Listing]) -> dict[int, set[str]]:
             place = record.dtensor
             if place is None or not record.has_grad:
                 continue
-            shard = (record.name, place.global_shape, place.global_offset, record.shape)
+            # The shard's place on its mesh but along its Replicate dimensions (a record
+            # without offsets is told from the other shards by it).
+            site = tuple(
+                0 if code == "R" else index
+                for code, index in zip(place.placements, place.coordinate, strict=True)
+            )
+            shard = (record.name, place.global_shape, place.global_offset, record.shape, site)
             along = place.copy_dims(bool(record.attr("tensor_model_parallel")))
             if any(index for _, index, _ in along):
                 held[shard].append((tuple(index for _, index, _ in along), header.rank))
