@@ -8,6 +8,7 @@ alignment padding: zero rows that were never gradients and must not count as zer
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from gradstat.core.groups import (
@@ -147,10 +148,18 @@ def gtp_local_pad_zero_count(gtp_shard: Any, range_start: int, range_end: int) -
             f"{_param_label(gtp_shard)}: range [{range_start}, {range_end}) is outside its "
             f"{numel} elements"
         )
+    shape = tuple(int(size) for size in gtp_shard.shape)
+    return _pad_in_range(gtp_shard, shape, range_start, range_end)
+
+
+def _pad_in_range(gtp_shard: Any, shape: tuple[int, ...], range_start: int, range_end: int) -> int:
+    """:func:`gtp_local_pad_zero_count` of a shard of ``shape`` (``gtp_shard`` carries its
+    ``pad_length`` and ``group``; the range is inside the shard)."""
+    numel = math.prod(shape)
     pad_length = int(getattr(gtp_shard, "pad_length", 0) or 0)
     if pad_length == 0 or numel == 0:
         return 0
-    rows = int(gtp_shard.shape[0]) if gtp_shard.dim() > 0 else 1
+    rows = shape[0] if shape else 1
     if not hasattr(gtp_shard, "group"):
         # Which rank of its GTP group it is decides where its padding lies; without it rank 0
         # was assumed, its data rows taken for padding (a zero count of -1).
@@ -185,16 +194,22 @@ def gtp_pad_zero_count(param: Any, grad: Any) -> int:
     """Structural GTP padding zeros to subtract from ``grad``'s raw zero count.
 
     A distributed-optimizer fragment carries the count stamped as ``gtp_pad_zeros`` (only the
-    optimizer knows the fragment's offset). A whole, unstamped GTP shard gets it computed from
-    ``pad_length`` and its GTP rank (a 1-D one only where it is known to be whole). Anything
-    else, an unstamped flat fragment included, has no padding that can be placed. Nothing is
-    written onto ``param``: the computation is a few integer operations.
+    optimizer knows the fragment's offset), or, rebuilt from a snapshot, its place in its shard
+    (``fragment_offset`` in a shard of ``fragment_shape``), from which the count is computed. A
+    whole, unstamped GTP shard gets it computed from ``pad_length`` and its GTP rank (a 1-D one
+    only where it is known to be whole). Anything else, an unstamped flat fragment without its
+    place, has no padding that can be placed. Nothing is written onto ``param``: the
+    computation is a few integer operations.
     """
     stamped = getattr(param, "gtp_pad_zeros", None)
     if stamped is not None:
         return int(stamped)
     if not getattr(param, "is_gtp_weight_remat", False):
         return 0
+    offset, whole = getattr(param, "fragment_offset", None), getattr(param, "fragment_shape", None)
+    if offset is not None and whole is not None:
+        shape = tuple(int(size) for size in whole)
+        return _pad_in_range(param, shape, int(offset), int(offset) + int(grad.numel()))
     # Only a whole shard can be placed: a flat fragment carrying copied attributes but no stamp
     # has lost the offset its padding count depends on. A live fragment's parameter is the
     # fragment itself (Megatron's distributed optimizer shards are views of their own shape),
