@@ -348,3 +348,8 @@ def test_a_snapshot_counts_a_shard_by_a_copy_where_coordinate_0_holds_none(
         assert done.returncode == 0, done.stdout + done.stderr
         norm = json.loads(done.stdout)["total_norm"]
         assert _close(norm, _expected("none at 0", step, p)), (step, p, norm)
+    if p == 2.0:  # under torchrun each process reads a share: the records travel apart
+        shared = run_gradstat("norm", root / "dump-3", "--json", nproc=2)
+        assert shared.returncode == 0, shared.stdout + shared.stderr
+        norm = json.loads(shared.stdout)["total_norm"]
+        assert _close(norm, _expected("none at 0", 3, 2.0)), norm

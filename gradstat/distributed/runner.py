@@ -49,6 +49,7 @@ from gradstat.snapshot.reader import (
     rank_file_names,
     refuse_kind,
 )
+from gradstat.snapshot.stand_ins import copy_rows, copy_stand_ins
 
 if TYPE_CHECKING:
     from gradstat.snapshot.wgrads import WgradsOptions
@@ -385,7 +386,15 @@ def open_shared(
 
     shares = gather(processes, compute)
     summaries = [summary for share in shares for summary in FileSummary.from_columns(folder, share)]
-    return together(processes, lambda: SnapshotShare.assemble(folder, files, summaries))
+    # A DTensor shard whose copy at coordinate 0 lacks its gradient counts by another copy: the
+    # summaries hold no records, so the processes exchange those of the names some file lacks.
+    lacked = {name for summary in summaries for name, _ in summary.lacking}
+    copies = None
+    if lacked:
+        headers = [rank_file.header for rank_file in files]
+        rows = gather(processes, lambda _beat: copy_rows(headers, lacked))
+        copies = copy_stand_ins([row for share in rows for row in share])
+    return together(processes, lambda: SnapshotShare.assemble(folder, files, summaries, copies))
 
 
 def _whole_dump(folder: Path, options: WgradsOptions | None) -> Snapshot | None:

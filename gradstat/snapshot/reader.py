@@ -370,9 +370,15 @@ class SnapshotShare(_Described):
 
     @classmethod
     def assemble(
-        cls, directory: Path, files: Sequence[RankFile], summaries: Sequence[FileSummary]
+        cls,
+        directory: Path,
+        files: Sequence[RankFile],
+        summaries: Sequence[FileSummary],
+        copies: Mapping[int, set[str]] | None = None,
     ) -> SnapshotShare:
         """Check the whole snapshot from every rank file's summary; keep the files read here.
+        ``copies``: the DTensor stand-ins, from every process's records (see
+        :func:`gradstat.snapshot.stand_ins.copy_rows`); the summaries hold none.
 
         Raises:
             SnapshotError: as :meth:`Snapshot.open` raises it for the whole.
@@ -382,7 +388,7 @@ class SnapshotShare(_Described):
             Listing(summary.name, summary.header, summary.lacking, summary.names)
             for summary in summaries
         ]
-        files = with_stand_ins(files, everyone)
+        files = with_stand_ins(files, everyone, copies or {})
         return cls(
             directory,
             tuple(sorted(files, key=lambda file: file.rank)),

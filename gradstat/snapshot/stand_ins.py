@@ -24,7 +24,15 @@ from gradstat.core.axes import DENSE_AXES, EXPERT_AXES, Axis
 from gradstat.errors import SnapshotError
 from gradstat.snapshot.format import RankHeader
 
-__all__ = ["Listing", "lacking", "listing", "names_digest", "with_stand_ins"]
+__all__ = [
+    "Listing",
+    "copy_rows",
+    "copy_stand_ins",
+    "lacking",
+    "listing",
+    "names_digest",
+    "with_stand_ins",
+]
 
 _REPLICA_AXES = {False: (Axis.dp, Axis.cp), True: (Axis.edp,)}
 _SITE_AXES = {
@@ -85,7 +93,11 @@ def _place(coords: Mapping[str, tuple[int, int]], expert: bool) -> tuple[int, ..
     return tuple(coords[axis][0] for axis in _REPLICA_AXES[expert])
 
 
-def with_stand_ins(files: Sequence[Any], everyone: Sequence[Listing]) -> list[Any]:
+def with_stand_ins(
+    files: Sequence[Any],
+    everyone: Sequence[Listing],
+    copies: Mapping[int, set[str]] | None = None,
+) -> list[Any]:
     """``files`` (rank files), each whose gradients stand in for a lower replica's given their
     names in its header's ``stand_ins``.
 
@@ -96,6 +108,9 @@ def with_stand_ins(files: Sequence[Any], everyone: Sequence[Listing]) -> list[An
     Args:
         files: the rank files to mark (all of a snapshot's, or a process's share).
         everyone: :func:`listing` of every rank file.
+        copies: the DTensor stand-ins by rank (:func:`copy_stand_ins` of every rank file's
+            :func:`copy_rows`), where ``everyone`` holds no records (a process's share); None:
+            found from ``everyone``'s records.
 
     Raises:
         SnapshotError: replicas that list different parameters; two files holding experts at
@@ -139,7 +154,9 @@ def with_stand_ins(files: Sequence[Any], everyone: Sequence[Listing]) -> list[An
             without[expert, _site(coords, expert), name].add(_place(coords, expert))
     if not without:
         return list(files)
-    copies = _copy_stand_ins(everyone)
+    if copies is None:
+        lacked = {name for found in everyone for name, _ in found.lacking}
+        copies = copy_stand_ins(copy_rows([found.header for found in everyone], lacked))
     marked = []
     for file in files:
         header = file.header
@@ -162,33 +179,48 @@ def with_stand_ins(files: Sequence[Any], everyone: Sequence[Listing]) -> list[An
     return marked
 
 
-def _copy_stand_ins(everyone: Sequence[Listing]) -> dict[int, set[str]]:
-    """Per rank file (by rank), the DTensor records that stand in for their shard's copy at
-    coordinate 0, which holds no gradient (its rank's gradient was None): of the copies that
-    hold one, the one at the lowest coordinate along the copies' dimensions, as
-    :func:`gradstat.total_norm` counts such a shard by a copy that holds it."""
-    counted = set()
-    held: dict[tuple[Any, ...], list[tuple[tuple[int, ...], int]]] = defaultdict(list)
-    for found in everyone:
-        header = found.header
+def copy_rows(headers: Sequence[RankHeader], names: set[str]) -> list[list[Any]]:
+    """What deciding the DTensor stand-ins reads of ``headers``: each DTensor record of one of
+    ``names`` (those some rank file lacks) that holds a gradient, as ``[rank, shard, along]``
+    (JSON data: processes reading a share of a snapshot exchange them). ``shard`` tells the
+    shard from every other (its name, shapes, offset and its place on its mesh but along its
+    Replicate dimensions, which tells a record without offsets); ``along`` is its coordinate
+    along the dimensions that hold its copies (all 0: the copy that counts)."""
+    rows: list[list[Any]] = []
+    if not names:
+        return rows
+    for header in headers:
         for record in header.params:
             place = record.dtensor
-            if place is None or not record.has_grad:
+            if place is None or not record.has_grad or record.name not in names:
                 continue
-            # The shard's place on its mesh but along its Replicate dimensions (a record
-            # without offsets is told from the other shards by it).
-            site = tuple(
+            site = [
                 0 if code == "R" else index
                 for code, index in zip(place.placements, place.coordinate, strict=True)
-            )
-            shard = (record.name, place.global_shape, place.global_offset, record.shape, site)
+            ]
+            offset = None if place.global_offset is None else list(place.global_offset)
+            shard = [record.name, list(place.global_shape), offset, list(record.shape), site]
             along = place.copy_dims(bool(record.attr("tensor_model_parallel")))
-            if any(index for _, index, _ in along):
-                held[shard].append((tuple(index for _, index, _ in along), header.rank))
-            else:
-                counted.add(shard)
+            rows.append([header.rank, shard, [index for _, index, _ in along]])
+    return rows
+
+
+def copy_stand_ins(rows: Sequence[Sequence[Any]]) -> dict[int, set[str]]:
+    """Per rank file (by rank), the DTensor records that stand in for their shard's copy at
+    coordinate 0, which holds no gradient (its rank's gradient was None): of the copies that
+    hold one (``rows``, :func:`copy_rows`'), the one at the lowest coordinate along the copies'
+    dimensions, as :func:`gradstat.total_norm` counts such a shard by a copy that holds it."""
+    counted = set()
+    held: dict[str, list[tuple[tuple[int, ...], int, str]]] = defaultdict(list)
+    for rank, shard, along in rows:
+        key = repr(shard)  # lists from JSON: their text is the key
+        if any(along):
+            held[key].append((tuple(along), rank, shard[0]))
+        else:
+            counted.add(key)
     found_by_rank: dict[int, set[str]] = defaultdict(set)
-    for shard, copies in held.items():
-        if shard not in counted:
-            found_by_rank[min(copies)[1]].add(shard[0])
+    for key, copies in held.items():
+        if key not in counted:
+            _, rank, name = min(copies)
+            found_by_rank[rank].add(name)
     return found_by_rank
