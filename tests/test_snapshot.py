@@ -265,6 +265,21 @@ def test_pad_length_beyond_the_shard_is_rejected(tmp_path: Path) -> None:
         Snapshot.open(tmp_path)
 
 
+@pytest.mark.parametrize("shape", [(4, 3), (12,)])
+def test_a_negative_pad_length_is_refused_as_such(tmp_path: Path, shape: tuple[int, ...]) -> None:
+    """It was refused as "larger than the padded tensor" (a whole shard), or read (a flat
+    fragment) until the padding count refused it as exceeding the rows."""
+    shard = param_with(
+        torch.zeros(shape),
+        is_gtp_weight_remat=True,
+        pad_length=-3,
+        group=gradstat.AxisPlace(1, 2),
+    )
+    save_rank(tmp_path, [("w", shard)], rank=0, world_size=1, coords={"gtp": [1, 2]})
+    with pytest.raises(SnapshotError, match="pad_length -3 is negative"):
+        Snapshot.open(tmp_path)
+
+
 def test_gtp_group_must_match_the_coordinates(tmp_path: Path) -> None:
     shard = param_with(
         torch.zeros(4, 3), is_gtp_weight_remat=True, pad_length=2, group=gradstat.AxisPlace(1, 2)

@@ -570,6 +570,8 @@ def _check_gtp(where: str, header: RankHeader, record: ParamRecord) -> None:
             f"{list(place)}"
         )
     pad_length = record.attr("pad_length")
+    if pad_length < 0:
+        raise SnapshotError(f"{where}: pad_length {pad_length} is negative (rows of padding)")
     rows = record.param_shape[0] if record.param_shape else 1
     # A flat distributed-optimizer fragment has no rows of its own: only whole shards tell.
     whole_shard = len(record.param_shape) >= 2
