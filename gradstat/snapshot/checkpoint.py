@@ -319,7 +319,7 @@ def _stored(index: DcpIndex, torch_dist: bool) -> dict[str, list[_Stored]]:
 
 
 def _selected(
-    index: DcpIndex, stored: dict[str, list[_Stored]], kind: str
+    index: DcpIndex, stored: dict[str, list[_Stored]], kinds: Mapping[str, KeyKind], kind: str
 ) -> dict[str, list[_Stored]]:
     """The tensors of ``kind``, by the name their records take.
 
@@ -333,8 +333,7 @@ def _selected(
             gradient or moment that is not floating point, or two keys of it for one parameter.
     """
     found: dict[str, list[_Stored]] = {}
-    skipped = set(left_out(stored, kind))
-    kinds = classify_stored(stored)
+    skipped = set(left_out(stored, kinds, kind))
     for key, chunks in stored.items():
         held = kinds[key]
         if key in skipped:
@@ -358,7 +357,7 @@ def _selected(
             )
         found[name] = chunks
     if not found:
-        holds = ", ".join(f"{kind_said(name)} ({count})" for name, count in held_kinds(stored))
+        holds = ", ".join(f"{kind_said(name)} ({count})" for name, count in held_kinds(kinds))
         raise SnapshotError(
             f"{index.directory}: the checkpoint holds no {kind_said(kind)}; it holds "
             f"{holds or 'no tensor'}: choose one with --kind {'|'.join(KINDS)}"
@@ -366,11 +365,13 @@ def _selected(
     return found
 
 
-def left_out(stored: Mapping[str, list[_Stored]], kind: str) -> tuple[str, ...]:
-    """The keys of ``kind`` that are not read: buffers of a type gradstat does not read among
-    the weights, and with ``all`` the step counters too."""
+def left_out(
+    stored: Mapping[str, list[_Stored]], kinds: Mapping[str, KeyKind], kind: str
+) -> tuple[str, ...]:
+    """The keys of ``kind`` that are not read (``kinds``: :func:`classify_stored`'s): buffers
+    of a type gradstat does not read among the weights, and with ``all`` the step counters
+    too."""
     found = []
-    kinds = classify_stored(stored)
     for key, chunks in stored.items():
         held = kinds[key].kind
         if kind not in ("all", held) or kind not in ("all", "weight"):
@@ -380,18 +381,19 @@ def left_out(stored: Mapping[str, list[_Stored]], kind: str) -> tuple[str, ...]:
     return tuple(found)
 
 
-def held_kinds(stored: Mapping[str, list[_Stored]]) -> tuple[tuple[str, int], ...]:
-    """(kind, number of tensors) of every kind of key the checkpoint holds, by kind."""
+def held_kinds(kinds: Mapping[str, KeyKind]) -> tuple[tuple[str, int], ...]:
+    """(kind, number of tensors) of every kind of key the checkpoint holds (``kinds``:
+    :func:`classify_stored`'s), by kind."""
     held: dict[str, int] = {}
-    for key_kind in classify_stored(stored).values():
+    for key_kind in kinds.values():
         held[key_kind.kind] = held.get(key_kind.kind, 0) + 1
     return tuple(sorted(held.items()))
 
 
-def default_kind(stored: Mapping[str, list[_Stored]]) -> str:
-    """Gradients when the checkpoint holds any, else model weights."""
-    kinds = {held.kind for held in classify_stored(stored).values()}
-    return "grad" if "grad" in kinds else "weight"
+def default_kind(kinds: Mapping[str, KeyKind]) -> str:
+    """Gradients when the checkpoint holds any (``kinds``: :func:`classify_stored`'s), else
+    model weights."""
+    return "grad" if any(held.kind == "grad" for held in kinds.values()) else "weight"
 
 
 def open_checkpoint(directory: Path, kind: str | None = None) -> list[CheckpointFile]:
@@ -410,10 +412,11 @@ def open_checkpoint(directory: Path, kind: str | None = None) -> list[Checkpoint
     index = open_index(directory)
     torch_dist = is_torch_dist(directory)
     stored = _stored(index, torch_dist)
-    kind = kind or default_kind(stored)
+    kinds = classify_stored(stored)  # once: each key's kind, with the whole checkpoint seen
+    kind = kind or default_kind(kinds)
     if torch_dist and kind in ("exp_avg", "exp_avg_sq", "all"):
         refuse_dp_reshardable(index)
-    selected = _selected(index, stored, kind)
+    selected = _selected(index, stored, kinds, kind)
     # Each data file's chunks, a second chunk of one tensor in a file of its own.
     groups: dict[tuple[str, int], list[tuple[str, _Stored]]] = {}
     for name, chunks in selected.items():
@@ -424,8 +427,8 @@ def open_checkpoint(directory: Path, kind: str | None = None) -> list[Checkpoint
             groups.setdefault((path, occurrence), []).append((name, piece))
     world_size = len(groups)
     step = _step(directory)
-    holds = held_kinds(stored)
-    skipped = left_out(stored, kind)
+    holds = held_kinds(kinds)
+    skipped = left_out(stored, kinds, kind)
     opened = []
     for rank, (path, occurrence) in enumerate(sorted(groups)):
         held = sorted(groups[path, occurrence], key=lambda item: item[1].chunk.storage.offset)
