@@ -144,9 +144,15 @@ class KeptSnapshot:
     total_norm: float
     num_zeros: int | None  # None: a log record without per-parameter statistics
     triggers: tuple[str, ...]
-    # Read from snapshots: the flight recorder's norm of the step is not what the snapshot
-    # counts (a NaN, Inf or spike on a copy it does not count; ``gradstat audit`` names it).
-    recorder_differs: bool = False
+    # Read from a snapshot: the flight recorder's norm of its step, noted beside it (None:
+    # none, or of another norm type).
+    recorded_norm: float | None = None
+
+    @property
+    def recorder_differs(self) -> bool:
+        """The flight recorder's norm of the step is not what the snapshot counts (a NaN, Inf
+        or spike on a copy it does not count; ``gradstat audit`` names it)."""
+        return recorded_differs(self.recorded_norm, self.total_norm)
 
 
 @dataclass
@@ -365,11 +371,10 @@ def _from_snapshots(
             skipped(f"{path}: skipped, unreadable: {error}")
             continue
         if kept.recorder_differs:
-            recorded = recorded_norm(path, norm_type)
             skipped(
-                f"{path}: the recorder's norm of step {step} was {recorded:.9g}, the snapshot "
-                f"counts {kept.total_norm:.9g}: a copy it does not count holds another value "
-                "(gradstat audit names it)"
+                f"{path}: the recorder's norm of step {step} was {kept.recorded_norm:.9g}, the "
+                f"snapshot counts {kept.total_norm:.9g}: a copy it does not count holds another "
+                "value (gradstat audit names it)"
             )
         if on_progress is not None:
             on_progress(done, len(chosen), "snapshots")
@@ -385,8 +390,8 @@ def _read_kept(
     stats = snapshot_stats(snapshot, (norm_type,))
     triggers = snapshot.files[0].header.triggers
     total = stats.norm(norm_type)
-    differs = recorded_differs(recorded_norm(path, norm_type), total)
-    kept = KeptSnapshot(path, step, total, stats.zeros, triggers, differs)
+    recorded = recorded_norm(path, norm_type)
+    kept = KeptSnapshot(path, step, total, stats.zeros, triggers, recorded)
     return kept, stats
 
 

@@ -98,6 +98,11 @@ def _from_bits(bits: int) -> float:
     return float(struct.unpack("<d", struct.pack("<q", bits))[0])
 
 
+def _logged_range(before: dict[str, int]) -> tuple[float, float]:
+    """The lowest and highest logged norm the ranks passed (from the agreed bits)."""
+    return _from_bits(-before["logged_low"]), _from_bits(before["logged_top"])
+
+
 class Recorder:
     """Records the global gradient norm every step, per-parameter statistics into the run's
     telemetry log, and dumps a snapshot when a trigger fires.
@@ -347,7 +352,7 @@ class Recorder:
         explained = None
         if "mismatch" in triggers and self._agreement.rank == 0:
             warn(f"step {number}: {why}")
-            highest, lowest = _from_bits(before["logged_top"]), _from_bits(-before["logged_low"])
+            lowest, highest = _logged_range(before)
             if logged is not None and not self._triggers.disagrees(lowest, highest):
                 explained = self._explainer(number, highest)
         snapshot = self._snapshot(
@@ -472,7 +477,7 @@ class Recorder:
             return True, "some ranks passed a logged_norm and others none"
         if not before["given_top"]:
             return False, ""
-        highest, lowest = _from_bits(before["logged_top"]), _from_bits(-before["logged_low"])
+        lowest, highest = _logged_range(before)
         if self._triggers.disagrees(lowest, highest):  # an ulp apart is one norm, reduced apart
             return True, (
                 f"the ranks passed different logged norms, from {lowest!r} to {highest!r} "
