@@ -49,7 +49,7 @@ from gradstat.snapshot.reader import (
     rank_file_names,
     refuse_kind,
 )
-from gradstat.snapshot.stand_ins import copy_rows, copy_stand_ins
+from gradstat.snapshot.stand_ins import copy_rows, copy_stand_ins, lacked_names
 
 if TYPE_CHECKING:
     from gradstat.snapshot.wgrads import WgradsOptions
@@ -388,7 +388,7 @@ def open_shared(
     summaries = [summary for share in shares for summary in FileSummary.from_columns(folder, share)]
     # A DTensor shard whose copy at coordinate 0 lacks its gradient counts by another copy: the
     # summaries hold no records, so the processes exchange those of the names some file lacks.
-    lacked = {name for summary in summaries for name, _ in summary.lacking}
+    lacked = lacked_names(summaries)
     copies = None
     if lacked:
         headers = [rank_file.header for rank_file in files]

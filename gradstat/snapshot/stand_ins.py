@@ -28,6 +28,7 @@ __all__ = [
     "Listing",
     "copy_rows",
     "copy_stand_ins",
+    "lacked_names",
     "lacking",
     "listing",
     "names_digest",
@@ -155,7 +156,7 @@ def with_stand_ins(
     if not without:
         return list(files)
     if copies is None:
-        lacked = {name for found in everyone for name, _ in found.lacking}
+        lacked = lacked_names(everyone)
         copies = copy_stand_ins(copy_rows([found.header for found in everyone], lacked))
     marked = []
     for file in files:
@@ -177,6 +178,12 @@ def with_stand_ins(
             file = replace(file, header=replace(header, stand_ins=frozenset(names)))
         marked.append(file)
     return marked
+
+
+def lacked_names(everyone: Sequence[Any]) -> set[str]:
+    """The names of the records some rank file holds no gradient of (``everyone``: listings or
+    summaries, each with its ``lacking``)."""
+    return {name for found in everyone for name, _ in found.lacking}
 
 
 def copy_rows(headers: Sequence[RankHeader], names: set[str]) -> list[list[Any]]:
