@@ -556,7 +556,7 @@ def _readme_examples() -> list[tuple[str, list[str]]]:
 )
 def test_readme_examples_are_what_the_cli_prints(command: str, lines: list[str]) -> None:
     """Lines elided with ``...`` are skipped; what is shown appears in order."""
-    result = _run([GRADSTAT, *command.split()[1:]], ROOT)
+    result = _gradstat(*command.split()[1:], cwd=ROOT)
     printed = result.stdout.split("\n")
     position = 0
     for part in ("\n" + "\n".join(lines) + "\n").split("\n...\n"):

@@ -20,7 +20,11 @@ Kinds of finding:
 - ``tp_shards_identical``: marked tensor-parallel, yet every TP rank holds the same values
   (a replicated weight counted once per TP rank);
 - ``gtp_padding_nonzero``: GTP padding elements that are not zero;
-- ``attributes``: attributes that disagree across ranks or with the shapes.
+- ``attributes``: attributes that disagree across ranks or with the shapes;
+- ``elements_counted_twice``: the counted tensors of a parameter hold more elements than it
+  has (fragments that overlap; a snapshot marked ``distributed_optimizer`` whose data-parallel
+  ranks each hold the whole gradient): ``norm``, ``zeros`` and ``clip`` refuse it;
+- ``elements_missing``: they hold fewer: the rest have no gradient in any rank file.
 
 And what the gradients of MoE layers say (experts recognised by name, as
 :mod:`gradstat.analysis.experts` does):
@@ -80,6 +84,8 @@ KINDS = (
     "tp_shards_identical",
     "gtp_padding_nonzero",
     "attributes",
+    "elements_counted_twice",
+    "elements_missing",
     "expert_never_routed",
     "no_gradient",
     "router_zero",
@@ -492,6 +498,11 @@ def audit_snapshot(
     findings = [
         _finding(raw, total) for results in gather_jobs(processes, jobs, work) for raw in results
     ]
+    ranks = {param.name: param.ranks for param in stats.params}
+    for miscount in stats.miscounts:
+        kind = "elements_counted_twice" if miscount.held > miscount.extent else "elements_missing"
+        raw = _raw(kind, miscount.name, ranks[miscount.name], miscount.detail())
+        findings.append(_finding(raw, total))
     headers = [(rank_file.rank, rank_file.header) for rank_file in snapshot.files]
     for issue in expert_issues(stats, headers):
         # Nothing is miscounted: the norm is what it is, only the model's training is off.

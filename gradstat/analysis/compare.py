@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from gradstat.analysis import coverage
 from gradstat.analysis.report import (
     CompareReport,
     ParamDiff,
@@ -41,7 +43,7 @@ from gradstat.analysis.tiles import (
     segments,
     snapshot_tiles,
 )
-from gradstat.distributed.runner import Processes, gather_jobs
+from gradstat.distributed.runner import Processes, gather_jobs, together
 from gradstat.snapshot import Snapshot
 
 __all__ = ["CompareReport", "ParamDiff", "TotalDiff", "compare_snapshots", "ratio", "rel_diff"]
@@ -259,6 +261,8 @@ def compare_snapshots(
     request = Request.make((2.0,), True, device)
     stats_a = merge(gather_pieces(snapshot_a, request, processes, stage="reading A"), request)
     stats_b = merge(gather_pieces(snapshot_b, request, processes, stage="reading B"), request)
+    for snapshot, stats in ((snapshot_a, stats_a), (snapshot_b, stats_b)):
+        together(processes, partial(coverage.check, snapshot.directory, stats.miscounts))
     by_name = ({p.name: p for p in stats_a.params}, {p.name: p for p in stats_b.params})
     names = list(by_name[0]) + [name for name in by_name[1] if name not in by_name[0]]
     tiles_a, tiles_b = snapshot_tiles(snapshot_a), snapshot_tiles(snapshot_b)

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from gradstat.analysis import coverage
 from gradstat.analysis.report import json_number, recorded_differs
 from gradstat.analysis.stats import SnapshotStats, snapshot_stats
 from gradstat.errors import SnapshotError
@@ -388,6 +389,7 @@ def _read_kept(
 ) -> tuple[KeptSnapshot, SnapshotStats]:
     """A snapshot read for its own numbers, and whether they are the recorder's of its step."""
     stats = snapshot_stats(snapshot, (norm_type,))
+    coverage.check(path, stats.miscounts)
     triggers = snapshot.files[0].header.triggers
     total = stats.norm(norm_type)
     recorded = recorded_norm(path, norm_type)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import astuple, dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from gradstat.analysis import coverage
 from gradstat.clip_grads import check_norm_type
 from gradstat.core import kernels, native, staging
 from gradstat.core.groups import AxisPlace
@@ -117,6 +119,8 @@ class SnapshotStats:
     # per expert, named ``<tensor>[<global index>]`` (no part of the totals: ``params`` holds
     # the tensor whole).
     expert_rows: tuple[ParamStats, ...] = ()
+    # Sites whose counted tensors do not hold each element once (gradstat.analysis.coverage).
+    miscounts: tuple[coverage.Miscount, ...] = ()
 
     def norm(self, norm_type: float, expert: bool | None = None) -> float:
         """The global norm; of dense (``expert=False``) or expert params only if asked.
@@ -218,6 +222,10 @@ class Piece(NamedTuple):
     # One expert's row of a stacked [E, ...] tensor (Request.split_experts): the tensor's name;
     # its statistics are the tensor's piece's too, so the row is no part of the totals.
     row_of: str | None = None
+    # Where it lies, for the check that the counted tensors hold each element once (see
+    # gradstat.analysis.coverage): its site, and the elements the site holds in all.
+    site: coverage.Site = (0, -1, -1, -1)
+    extent: int = coverage.UNKNOWN
 
     @classmethod
     def to_columns(cls, pieces: Sequence[Piece]) -> list[list[Any]]:
@@ -236,6 +244,7 @@ class Piece(NamedTuple):
         """The pieces :meth:`to_columns` made, as another process sent them."""
         fields = dict(zip(cls._fields, columns, strict=True))
         fields["norms"] = [tuple(norms) for norms in fields["norms"]]
+        fields["site"] = [tuple(site) for site in fields["site"]]
         fields["nonfinite"] = [
             None if item is None else NonFinite(*item) for item in fields["nonfinite"]
         ]
@@ -387,6 +396,8 @@ def _piece(
         norms=stats.norms,
         max_abs=stats.max_abs,
         nonfinite=nonfinite,
+        site=coverage.site(rank_file, param.record),
+        extent=coverage.extent(rank_file, param.record),
     )
 
 
@@ -495,11 +506,18 @@ def merge(pieces: Iterable[Piece], request: Request) -> SnapshotStats:
     (``Piece.row_of``) into ``expert_rows``, apart from the totals."""
     by_name: dict[str, ParamStats] = {}
     by_row: dict[str, ParamStats] = {}
+    # Dense and expert copies apart: a parameter an attribute makes both is counted by both
+    # optimizers, as Megatron counts it (audit's ``attributes`` finding).
+    held: dict[tuple[str, bool, coverage.Site, int], int] = defaultdict(int)
     nonfinite = []
     first_peak = 0.0 if request.with_inf else None
     for piece in pieces:
-        if piece.nonfinite is not None and piece.row_of is None:
-            nonfinite.append(piece.nonfinite)
+        if piece.row_of is None:
+            if piece.nonfinite is not None:
+                nonfinite.append(piece.nonfinite)
+            if piece.extent != coverage.UNKNOWN:
+                key = piece.name, piece.expert, piece.site, piece.extent
+                held[key] += piece.numel + piece.pad_zeros
         peak = piece.max_abs
         found = by_name if piece.row_of is None else by_row
         stats = found.get(piece.name)
@@ -528,8 +546,13 @@ def merge(pieces: Iterable[Piece], request: Request) -> SnapshotStats:
         stats.zeros += piece.zeros
         stats.ranks.append(piece.rank)
     norm_types = (*request.finite, math.inf) if request.with_inf else request.finite
+    miscounts = tuple(
+        coverage.Miscount(name, site, count, extent)
+        for (name, _, site, extent), count in held.items()
+        if count != extent
+    )
     return SnapshotStats(
-        tuple(by_name.values()), norm_types, tuple(nonfinite), tuple(by_row.values())
+        tuple(by_name.values()), norm_types, tuple(nonfinite), tuple(by_row.values()), miscounts
     )
 
 

@@ -563,6 +563,7 @@ def _statistics(
     Returns the snapshot (under torchrun, this process's share), its statistics, and whether
     this process prints (rank 0).
     """
+    from gradstat.analysis import coverage
     from gradstat.analysis.stats import Request, gather_pieces, merge
     from gradstat.distributed.runner import open_shared, pick_device, together
 
@@ -571,8 +572,9 @@ def _statistics(
     snapshot = open_shared(processes, snapshot_dir, layout)
     where = together(processes, lambda: pick_device(device))
     request = Request.make(norm_types, zeros, where, split_experts)
-    pieces = gather_pieces(snapshot, request, processes)
-    return snapshot, merge(pieces, request), processes.is_first
+    stats = merge(gather_pieces(snapshot, request, processes), request)
+    together(processes, lambda: coverage.check(snapshot_dir, stats.miscounts))
+    return snapshot, stats, processes.is_first
 
 
 def _refuse_overflow(snapshot_dir: Path, stats: SnapshotStats, p: float, shown: str) -> None:

@@ -1,0 +1,138 @@
+"""A snapshot whose counted tensors hold a parameter's elements twice is refused, not summed.
+
+The statistics trust the attributes and the ``distributed_optimizer`` flag. A job that marks
+its snapshot ``distributed_optimizer`` while every data-parallel rank holds the whole gradient
+(a plain optimizer), or fragments that overlap, gave a norm sqrt(2) too large with exit 0, and
+audit found nothing. Elements no rank file holds are warned of. Expected norms are float64 sums
+over the gradients written here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from gradstat.snapshot import save_rank
+from tests._cli import run_gradstat
+from tests._oracle import float64_norm
+from tests._params import param_with
+
+_TP, _DP = 2, 2
+_W = torch.arange(1.0, 25.0).reshape(4, 6) / 3  # TP-split along rows: [2, 6] per TP rank
+_B = torch.tensor([0.5, -1.5, 2.0, 0.0, 4.0])  # not tensor-parallel: counted on TP rank 0
+_TP_ATTRS = {"tensor_model_parallel": True, "partition_dim": 0, "partition_stride": 1}
+
+
+def _coords(rank: int) -> dict[str, list[int]]:
+    tp, dp = rank % _TP, rank // _TP
+    return {"tp": [tp, _TP], "dp": [dp, _DP]}
+
+
+def _write(folder: Path, params_of: Any, distributed_optimizer: bool) -> Path:
+    for rank in range(_TP * _DP):
+        tp, dp = rank % _TP, rank // _TP
+        save_rank(
+            folder,
+            params_of(tp, dp),
+            rank=rank,
+            world_size=_TP * _DP,
+            coords=_coords(rank),
+            distributed_optimizer=distributed_optimizer,
+        )
+    return folder
+
+
+def _whole(tp: int, _dp: int) -> list[tuple[str, Any]]:
+    """What a plain optimizer's rank holds: its TP shard of w, and b, whole."""
+    return [("w", param_with(_W.chunk(_TP)[tp].clone(), **_TP_ATTRS)), ("b", param_with(_B))]
+
+
+def _fragments(ranges: tuple[tuple[int, int], ...]) -> Any:
+    """A distributed optimizer's ranks holding w's TP-local elements ``ranges[dp]`` (empty: no
+    gradient), with b whole on DP rank 0 alone."""
+
+    def params_of(tp: int, dp: int) -> list[tuple[str, Any]]:
+        local = _W.chunk(_TP)[tp].reshape(-1)
+        start, stop = ranges[dp]
+        grad = local[start:stop].clone() if stop > start else None
+        stamps = {"fragment_offset": start, "fragment_shape": [2, 6]}
+        held = [("w", param_with(grad, **_TP_ATTRS, **stamps))]
+        b_stamps = {"fragment_offset": 0, "fragment_shape": [5]}
+        return held + ([("b", param_with(_B.clone(), **b_stamps))] if dp == 0 else [])
+
+    return params_of
+
+
+def _gradstat(*args: Any, nproc: int | None = None) -> tuple[int, dict[str, Any] | None, str]:
+    result = run_gradstat(*args, nproc=nproc)
+    document = json.loads(result.stdout) if result.stdout.startswith("{") else None
+    return result.returncode, document, result.stderr
+
+
+_TRUE_NORM = float64_norm([_W, _B], 2.0)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["plain optimizer marked distributed", "fragments that overlap"],
+)
+def test_elements_counted_twice_are_refused_and_audited(tmp_path: Path, case: str) -> None:
+    if case == "plain optimizer marked distributed":
+        folder = _write(tmp_path / "snap", _whole, distributed_optimizer=True)
+        right = _write(tmp_path / "right", _whole, distributed_optimizer=False)
+        twice = 12  # each DP rank's whole TP shard of w: 12 elements counted twice
+    else:
+        folder = _write(tmp_path / "snap", _fragments(((0, 8), (4, 12))), True)
+        right = _write(tmp_path / "right", _fragments(((0, 6), (6, 12))), True)
+        twice = 4
+    status, document, stderr = _gradstat("norm", right, "--json")
+    assert status == 0 and document is not None, stderr
+    assert math.isclose(document["total_norm"], _TRUE_NORM, rel_tol=1e-12)
+    assert document["warnings"] == []
+    for command in ("norm", "zeros", "clip"):
+        clip = ("--max-norm", "1", "--out", tmp_path / "clipped") if command == "clip" else ()
+        status, _, stderr = _gradstat(command, folder, *clip)
+        lines = stderr.splitlines()
+        assert status == 2 and len(lines) == 1, (command, stderr)
+        assert lines[0].startswith(f"gradstat: error: {folder}: parameter 'w' at TP 0: its")
+        assert f"hold {12 + twice} elements, {twice} more than its 12" in lines[0]
+    status, document, stderr = _gradstat("audit", folder, "--json")
+    assert status == 1 and document is not None, stderr
+    found = [(item["kind"], item["name"]) for item in document["findings"]]
+    assert found.count(("elements_counted_twice", "w")) == _TP, found
+    # compare refuses the side that counts twice, whichever it is
+    for pair in ((right, folder), (folder, right)):
+        status, _, stderr = _gradstat("compare", *pair)
+        assert status == 2 and "counted twice" in stderr, stderr
+
+
+def test_elements_no_file_holds_are_warned_of(tmp_path: Path) -> None:
+    folder = _write(tmp_path / "snap", _fragments(((0, 6), (6, 6))), True)
+    status, document, stderr = _gradstat("norm", folder, "--json")
+    assert status == 0 and document is not None, stderr
+    held = [_W.chunk(_TP)[tp].reshape(-1)[:6] for tp in range(_TP)]
+    assert math.isclose(document["total_norm"], float64_norm([*held, _B], 2.0), rel_tol=1e-12)
+    (warning,) = document["warnings"]
+    assert "parameter 'w' at TP 0: its counted tensors hold 6 elements of its 12" in warning
+    assert warning.endswith("; 1 more like it (gradstat audit lists them)")
+    assert stderr == f"gradstat: warning: {folder}: {warning.partition(': ')[2]}\n"
+    status, document, _ = _gradstat("audit", folder, "--json")
+    assert status == 1 and document is not None
+    kinds = [(item["kind"], item["name"]) for item in document["findings"]]
+    assert kinds.count(("elements_missing", "w")) == _TP
+
+
+@pytest.mark.multiprocess
+def test_under_torchrun_every_process_refuses_in_one_line(tmp_path: Path) -> None:
+    folder = _write(tmp_path / "snap", _whole, distributed_optimizer=True)
+    status = tmp_path / "status"
+    alone = run_gradstat("norm", folder)
+    shared = run_gradstat("norm", folder, "--status-file", status, nproc=2)
+    assert alone.returncode == 2 and status.read_text() == "2\n"
+    errors = [line for line in shared.stderr.splitlines() if line.startswith("gradstat: ")]
+    assert errors == alone.stderr.splitlines() and len(errors) == 1
