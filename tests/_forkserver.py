@@ -49,16 +49,6 @@ for _module in (
     "torch.distributed.elastic.multiprocessing.errors",
     "safetensors.torch",
     "gradstat.cli.app",
-    # What the commands import as they run (a tenth of a forked command's time: this machine
-    # does not keep bytecode, and compiles each module anew in every process).
-    "gradstat.analysis.audit",
-    "gradstat.analysis.compare",
-    "gradstat.analysis.explain",
-    "gradstat.analysis.history",
-    "gradstat.cli.render",
-    "gradstat.snapshot.checkpoint",
-    "gradstat.snapshot.wgrads",
-    "gradstat.distributed.launcher",
 ):
     importlib.import_module(_module)
 
