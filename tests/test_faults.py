@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
@@ -235,32 +235,40 @@ print("finished")
 """
 
 
-@pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs POSIX signals")
-@pytest.mark.parametrize(
-    ("where", "how"),
-    [
-        ("while working", "SIGSTOP"),
-        ("before the gather", "SIGSTOP"),
-        ("before the gather", "SIGKILL"),
-    ],
+# Each fault as ``(where, how)``: the three run at once, as their time is mostly the timeout.
+_FAULTS = (
+    ("while working", "SIGSTOP"),
+    ("before the gather", "SIGSTOP"),
+    ("before the gather", "SIGKILL"),
 )
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs POSIX signals")
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_a_process_lost_at_any_point_is_named(tmp_path: Path, where: str, how: str) -> None:
+def test_a_process_lost_at_any_point_is_named(tmp_path: Path) -> None:
     """Issue 14 item 11: a process frozen after its work was done used to fail the others'
     gather, which said "another process failed or was lost"; and the second exchange of a run
     (compare and audit make several) found the first one's marks and waited for no one."""
-    script = tmp_path / "faulty.py"
-    script.write_text(FAULTY)
-    command = [sys.executable, str(script), where, how, str(tmp_path)]
-    with _as_launched([command, command]) as processes:
+    with ExitStack() as stack:
+        launched = []
+        for index, (where, how) in enumerate(_FAULTS):
+            folder = tmp_path / str(index)
+            folder.mkdir()
+            script = folder / "faulty.py"
+            script.write_text(FAULTY)
+            command = [sys.executable, str(script), where, how, str(folder)]
+            launched.append((folder, stack.enter_context(_as_launched([command, command]))))
         deadline = time.monotonic() + 120
-        while not all((tmp_path / f"ready-{rank}").exists() for rank in range(2)):
-            assert time.monotonic() < deadline and processes[0].poll() is None, "never ready"
-            time.sleep(0.05)
-        (tmp_path / "go").touch()
-        stdout, stderr = processes[0].communicate(timeout=120)
-        assert processes[0].returncode == 2, stderr
-        assert "finished" not in stdout
-        assert "another process failed or was lost" not in stderr
-        assert stderr.strip().splitlines()[-1] == LOST_PROCESS_1, stderr
+        for folder, processes in launched:
+            while not all((folder / f"ready-{rank}").exists() for rank in range(2)):
+                assert time.monotonic() < deadline and processes[0].poll() is None, "never ready"
+                time.sleep(0.05)
+        for folder, _ in launched:
+            (folder / "go").touch()
+        for fault, (_, processes) in zip(_FAULTS, launched, strict=True):
+            stdout, stderr = processes[0].communicate(timeout=120)
+            assert processes[0].returncode == 2, (fault, stderr)
+            assert "finished" not in stdout, fault
+            assert "another process failed or was lost" not in stderr, fault
+            assert stderr.strip().splitlines()[-1] == LOST_PROCESS_1, (fault, stderr)
