@@ -223,6 +223,28 @@ def test_rank_norms_averaged_over_tp_and_pp_ranks(snapshots: dict[str, Path]) ->
         assert math.isclose(best.value, logged, rel_tol=1e-6)
 
 
+def test_a_data_parallel_replicas_own_norm_is_its_model_parallel_peers(
+    snapshots: dict[str, Path],
+) -> None:
+    # TP2 x DP2, plain optimizer: rank 3 (TP 1, DP 1) is a replica, which counts nothing once
+    # reduced, yet computes TP rank 1's norm alone (a mean over every rank took it for 0, and
+    # the last rank's unreduced norm, the one Megatron prints, was no hypothesis).
+    grads = full_grads(False)
+    tp_sums = [0.0, 0.0]
+    for spec in model_params(False):
+        for tp, shard in enumerate(_tp_shards(grads[spec.name], spec.split, 2)):
+            tp_sums[tp] += _square_sum(shard)
+    local = [value**0.5 for value in tp_sums]
+    for planted, logged in (
+        ("rank_norms_averaged", math.fsum(local) / 2),
+        ("rank_norms_summed", math.fsum(local)),
+        ("rank_3_unreduced", local[1]),
+    ):
+        _, best = _first(snapshots["tp2_dp2_plain"], logged)
+        assert (best.name, best.match) == (planted, True)
+        assert math.isclose(best.value, logged, rel_tol=1e-6)
+
+
 def test_one_tp_rank_left_out_of_four(snapshots: dict[str, Path]) -> None:
     grads = full_grads(False)
     kept = 0.0

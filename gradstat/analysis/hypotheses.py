@@ -114,6 +114,17 @@ def counted_pieces(pieces: Sequence[TensorPiece]) -> list[TensorPiece]:
     return [piece for piece in pieces if piece.counted]
 
 
+# The copies a rank's own filters keep: Megatron leaves the data-parallel replicas to the
+# all-reduce's group (they hold the same values), not to a filter.
+_REPLICA_KINDS = frozenset(("dp_replica", "cp_replica", "edp_replica"))
+
+
+def _rank_counted(pieces: Sequence[TensorPiece]) -> list[TensorPiece]:
+    """What each rank counts before any reduction: its tensors the filters keep (TP, GTP and
+    tied copies left out), a data-parallel replica's as much as rank 0's."""
+    return [piece for piece in pieces if _REPLICA_KINDS.issuperset(piece.reasons)]
+
+
 def _size(pieces: Sequence[TensorPiece], axis: str) -> int:
     return max((piece.sizes.get(axis, 1) for piece in pieces), default=1)
 
@@ -303,7 +314,7 @@ def rank_local(pieces: Sequence[TensorPiece], norm_type: float | None) -> list[P
     found = []
     for rank in dict.fromkeys((ranks[0], ranks[-1])):
         held = [piece for piece in pieces if piece.rank == rank]
-        kept = counted_pieces(held)
+        kept = _rank_counted(held)
         variants = [
             ("local", held, f"rank {rank}'s local tensors alone, not reduced over the ranks"),
         ]
@@ -319,32 +330,41 @@ def rank_local(pieces: Sequence[TensorPiece], norm_type: float | None) -> list[P
     return found
 
 
-def _rank_norms(pieces: Sequence[TensorPiece], norm_type: float) -> list[float]:
+def _rank_norms(
+    pieces: Sequence[TensorPiece], chosen: Sequence[TensorPiece], norm_type: float
+) -> list[float]:
+    """Each rank's norm of its ``chosen`` pieces (0 where it has none), in rank order."""
     ranks = sorted({piece.rank for piece in pieces})
-    counted = counted_pieces(pieces)
     return [
-        _norm_of((piece for piece in counted if piece.rank == rank), norm_type) for rank in ranks
+        _norm_of((piece for piece in chosen if piece.rank == rank), norm_type) for rank in ranks
     ]
 
 
 def per_rank_combined(pieces: Sequence[TensorPiece], norm_type: float | None) -> list[Prediction]:
-    """Each rank's local norm of its counted tensors, averaged or summed instead of combined."""
+    """Each rank's local norm of what it counts, averaged or summed instead of combined.
+
+    The mean is over every rank, a data-parallel replica's norm being rank 0's (the same
+    over one model-parallel group); the sum is over the ranks that count (a sum over every
+    rank is that times the replicas, which ``not_divided_by_dp`` says of the whole norm).
+    """
     if norm_type is None or len({piece.rank for piece in pieces}) < 2:
         return []
-    local = _rank_norms(pieces, norm_type)
-    everything = names(counted_pieces(pieces))
+    counted = counted_pieces(pieces)
+    everything = names(counted)
+    each = _rank_norms(pieces, _rank_counted(pieces), norm_type)
+    counting = _rank_norms(counted, counted, norm_type)
     return [
         Prediction(
             "rank_norms_averaged",
-            math.fsum(local) / len(local),
+            math.fsum(each) / len(each),
             everything,
-            f"the mean of the {len(local)} ranks' local norms",
+            f"the mean of the {len(each)} ranks' local norms",
         ),
         Prediction(
             "rank_norms_summed",
-            math.fsum(local),
+            math.fsum(counting),
             everything,
-            f"the sum of the {len(local)} ranks' local norms (not their root-sum-square)",
+            f"the sum of the {len(counting)} ranks' local norms (not their root-sum-square)",
         ),
     ]
 

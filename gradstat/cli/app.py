@@ -840,8 +840,9 @@ def clip(
         bool,
         typer.Option(
             "--allow-nonfinite",
-            help="Write the output even when the norm is NaN/Inf (gradients are then copied "
-            "unchanged, as Megatron leaves them).",
+            help="Write the output even when the norm is NaN/Inf, as Megatron scales them: a "
+            "NaN norm copies the gradients unchanged, an Inf norm scales them by 0 (an Inf "
+            "element becomes NaN).",
         ),
     ] = False,
     as_json: JsonOption = False,
