@@ -17,7 +17,11 @@ from typing import Any
 import pytest
 import torch
 
+from gradstat.core.axes import AXES
+from gradstat.core.placements import MeshPlacement
 from gradstat.snapshot import save_rank
+from gradstat.snapshot.container import write_container
+from gradstat.snapshot.format import METADATA_KEY, ParamRecord, RankHeader
 from tests._cli import run_gradstat
 from tests._oracle import float64_norm
 from tests._params import param_with
@@ -136,3 +140,56 @@ def test_under_torchrun_every_process_refuses_in_one_line(tmp_path: Path) -> Non
     assert alone.returncode == 2 and status.read_text() == "2\n"
     errors = [line for line in shared.stderr.splitlines() if line.startswith("gradstat: ")]
     assert errors == alone.stderr.splitlines() and len(errors) == 1
+
+
+def test_shards_named_by_hand_are_no_copies(tmp_path: Path) -> None:
+    """``distributed_optimizer`` also marks disjoint shards named by hand (the docs invite it):
+    each DP rank's rows of w, two-dimensional, no fragment stamps. They differ, so they are
+    shards; the plain optimizer's replicas above are alike, so they are copies."""
+    rows = _W.chunk(_DP)
+    for dp in range(_DP):
+        save_rank(
+            tmp_path,
+            [("w", param_with(rows[dp].clone())), ("b", param_with(_B.chunk(_DP)[dp].clone()))],
+            rank=dp,
+            world_size=_DP,
+            coords={"dp": [dp, _DP]},
+            distributed_optimizer=True,
+        )
+    status, document, stderr = _gradstat("norm", tmp_path, "--json")
+    assert status == 0 and document is not None, stderr
+    assert math.isclose(document["total_norm"], _TRUE_NORM, rel_tol=1e-12)
+    assert document["warnings"] == [] and stderr == ""
+
+
+def _dtensor_file(folder: Path, rank: int, world: int, grad: torch.Tensor, place: int) -> None:
+    """Rank ``rank``'s file: w's Shard(0) shard ``place`` of 2 on its stage's own mesh, as
+    a job dumps it without a pipeline coordinate."""
+    rows = grad.shape[0]
+    full = (2 * rows, *grad.shape[1:])
+    mesh = MeshPlacement((2,), (place,), ("S(0)",), full, ("dp_shard",), (place * rows, 0))
+    record = ParamRecord("0.weight", True, tuple(grad.shape), "float32", full, {}, mesh)
+    coords = {axis: (0, 1) for axis in AXES} | {"dp": (rank, world), "edp": (rank, world)}
+    header = RankHeader(rank, world, None, coords, False, "grad", (record,))
+    with open(folder / f"rank-{rank:05d}.safetensors", "wb") as file:
+        write_container(file, {METADATA_KEY: header.to_json()}, [("0.weight", grad)])
+
+
+def test_pipeline_stages_of_one_local_name_are_no_copies(tmp_path: Path) -> None:
+    """Two stages, each an FSDP2 mesh of 2 ranks, each naming its first layer ``0.weight``;
+    no file says its stage. The four shards hold different values: none is counted twice."""
+    stages = [_W, -2 * _W]
+    for rank in range(4):
+        stage, place = divmod(rank, 2)
+        _dtensor_file(tmp_path, rank, 4, stages[stage].chunk(2)[place].clone(), place)
+    status, document, stderr = _gradstat("norm", tmp_path, "--json")
+    assert status == 0 and document is not None, stderr
+    assert math.isclose(document["total_norm"], float64_norm(stages, 2.0), rel_tol=1e-12)
+    assert document["warnings"] == [] and stderr == ""
+    # Copies of one tensor, though, are copies: a file written twice over.
+    copies = tmp_path / "copies"
+    copies.mkdir()
+    for rank in range(4):
+        _dtensor_file(copies, rank, 4, _W.chunk(2)[0].clone(), 0)
+    status, _, stderr = _gradstat("norm", copies)
+    assert status == 2 and "its counted tensors hold 48 elements, 24 more than its 24" in stderr

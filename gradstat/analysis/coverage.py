@@ -12,7 +12,12 @@ rank, TP and GTP rank (ETP and EGTP for expert parameters), or for a DTensor the
 root mesh outside its own that split it. Its *extent* is how many elements the site holds in
 all: the TP/GTP-local tensor (a fragment's ``fragment_shape``), or a DTensor's global shape.
 Within one site the counted tensors must hold exactly the extent: more is counted twice, fewer
-is missing.
+is missing. Two extents are guessed, as the tensor's own size: a tensor of two or more
+dimensions in a ``distributed_optimizer`` snapshot without ``fragment_offset`` (a whole
+parameter, or a shard named by hand), and a DTensor in a file that places no pipeline stage
+(stages may hold parameters of one name). Holding more than a guessed extent is counted twice
+only where the tensors are copies of one another (their statistics alike, and not all zero):
+a plain optimizer's replicas; shards and stages hold different values.
 """
 
 from __future__ import annotations
@@ -21,14 +26,14 @@ import math
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from gradstat.core.axes import Axis
 from gradstat.core.placements import is_tensor_parallel_dim
 from gradstat.errors import DumpWarning, SnapshotError
 from gradstat.snapshot.format import ParamRecord, RankHeader
 
-__all__ = ["UNKNOWN", "Miscount", "Site", "check", "extent", "site"]
+__all__ = ["UNKNOWN", "Miscount", "Site", "Tally", "check", "extent", "site"]
 
 # (pp, ep, tp, gtp) rank; -1 where the parameter is not split along that role.
 Site = tuple[int, int, int, int]
@@ -67,20 +72,21 @@ def _rank(place: Sequence[int]) -> int:
     return place[0] if place[1] > 1 else -1
 
 
-def extent(rank_file: _Placed, record: ParamRecord) -> int:
-    """The elements of the site a counted tensor of ``rank_file`` is part of, or UNKNOWN."""
+def extent(rank_file: _Placed, record: ParamRecord) -> tuple[int, bool]:
+    """The elements of the site a counted tensor of ``rank_file`` is part of (UNKNOWN where
+    nothing tells), and whether that is a guess (see the module's docstring)."""
+    header = rank_file.header
     if record.dtensor is not None:
-        return math.prod(record.dtensor.global_shape)
+        return math.prod(record.dtensor.global_shape), header.coords[Axis.pp][1] == 1
     shape = record.attr("fragment_shape")
     if shape is not None:
-        return math.prod(shape)
+        return math.prod(shape), False
     if record.attr("fsdp_param"):
-        return UNKNOWN  # a flat FSDP shard: its parameter's shape is not recorded
-    # A distributed-optimizer fragment is a flat range; a tensor of two or more dimensions is
-    # a whole one, though the snapshot is marked distributed_optimizer.
-    if rank_file.header.distributed_optimizer and len(record.shape) < 2:
-        return UNKNOWN
-    return record.numel
+        return UNKNOWN, False  # a flat FSDP shard: its parameter's shape is not recorded
+    if not header.distributed_optimizer:
+        return record.numel, False
+    # A flat fragment that does not say where it lies tells nothing.
+    return (UNKNOWN, False) if len(record.shape) < 2 else (record.numel, True)
 
 
 class Miscount(NamedTuple):
@@ -92,13 +98,12 @@ class Miscount(NamedTuple):
     extent: int
 
     def line(self) -> str:
-        where = self._where()
-        return f"parameter {self.name!r}{' at ' if where else ''}{self.detail()}"
+        return f"parameter {self.name!r}{'' if self._where() else ':'} {self.detail()}"
 
     def detail(self) -> str:
         """What :meth:`line` says after the parameter's name."""
         where = self._where()
-        counted = f"{where}: its counted tensors hold {self.held} elements".lstrip(": ")
+        counted = f"{f'at {where}: ' if where else ''}its counted tensors hold {self.held} elements"
         if self.held > self.extent:
             return (
                 f"{counted}, {self.held - self.extent} more than its {self.extent}: some are "
@@ -113,6 +118,85 @@ class Miscount(NamedTuple):
     def _where(self) -> str:
         placed = zip(_ROLES, self.site, strict=True)
         return " ".join(f"{role} {rank}" for role, rank in placed if rank >= 0)
+
+
+class _Counted(Protocol):
+    """What the tally reads of a counted tensor's piece."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def expert(self) -> bool: ...
+    @property
+    def site(self) -> Site: ...
+    @property
+    def extent(self) -> int: ...
+    @property
+    def guessed(self) -> bool: ...
+    @property
+    def numel(self) -> int: ...
+    @property
+    def pad_zeros(self) -> int: ...
+    @property
+    def zeros(self) -> int: ...
+    @property
+    def max_abs(self) -> float | None: ...
+    @property
+    def norms(self) -> tuple[float, ...]: ...
+
+
+class _Held:
+    """What the counted tensors of one site hold so far."""
+
+    def __init__(self, extent: int, guessed: bool, signature: tuple[Any, ...]) -> None:
+        self.extent, self.guessed = extent, guessed
+        self.held = 0
+        self.signature: tuple[Any, ...] | None = signature  # None once two differ
+
+    def add(self, numel: int, signature: tuple[Any, ...]) -> None:
+        self.held += numel
+        if signature != self.signature:
+            self.signature = None
+
+    def counted_twice(self) -> bool:
+        if self.held <= self.extent:
+            return False
+        if not self.guessed:
+            return True
+        # Past a guessed extent, only copies of one tensor with something in them are twice.
+        if self.signature is None:
+            return False
+        numel, zeros, peak, norms = self.signature
+        if norms or peak is not None:
+            return bool(peak) or any(norms)
+        return bool(zeros < numel)  # only zeros were counted
+
+
+class Tally:
+    """The elements the counted tensors of each site hold, as the pieces are merged."""
+
+    def __init__(self) -> None:
+        self._sites: dict[tuple[str, bool, Site, int], _Held] = {}
+
+    def add(self, piece: _Counted) -> None:
+        """A counted tensor (a piece of gradstat.analysis.stats), at its site."""
+        if piece.extent == UNKNOWN:
+            return
+        # Dense and expert copies apart: a parameter an attribute makes both is counted by
+        # both optimizers, as Megatron counts it (audit's ``attributes`` finding).
+        key = piece.name, piece.expert, piece.site, piece.extent
+        signature = (piece.numel, piece.zeros, piece.max_abs, piece.norms)
+        held = self._sites.get(key)
+        if held is None:
+            held = self._sites[key] = _Held(piece.extent, piece.guessed, signature)
+        held.add(piece.numel + piece.pad_zeros, signature)
+
+    def miscounts(self) -> tuple[Miscount, ...]:
+        return tuple(
+            Miscount(name, where, held.held, size)
+            for (name, _, where, size), held in self._sites.items()
+            if held.held < size or held.counted_twice()
+        )
 
 
 def check(where: Path, miscounts: Sequence[Miscount]) -> None:

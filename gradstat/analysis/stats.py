@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import astuple, dataclass, field
 from pathlib import Path
@@ -224,8 +223,9 @@ class Piece(NamedTuple):
     row_of: str | None = None
     # Where it lies, for the check that the counted tensors hold each element once (see
     # gradstat.analysis.coverage): its site, and the elements the site holds in all.
-    site: coverage.Site = (0, -1, -1, -1)
+    site: coverage.Site = (-1, -1, -1, -1)
     extent: int = coverage.UNKNOWN
+    guessed: bool = False
 
     @classmethod
     def to_columns(cls, pieces: Sequence[Piece]) -> list[list[Any]]:
@@ -386,6 +386,7 @@ def _piece(
     # count_zeros_fp32 without its reduction: this runs per tensor, also under a launcher whose
     # processes hold different numbers of tensors (``counts`` applied the filters).
     zeros = 0 if stats.zeros is None else stats.zeros - pad
+    extent, guessed = coverage.extent(rank_file, param.record)
     return Piece(
         rank=rank_file.rank,
         name=param.name,
@@ -397,7 +398,8 @@ def _piece(
         max_abs=stats.max_abs,
         nonfinite=nonfinite,
         site=coverage.site(rank_file, param.record),
-        extent=coverage.extent(rank_file, param.record),
+        extent=extent,
+        guessed=guessed,
     )
 
 
@@ -506,18 +508,14 @@ def merge(pieces: Iterable[Piece], request: Request) -> SnapshotStats:
     (``Piece.row_of``) into ``expert_rows``, apart from the totals."""
     by_name: dict[str, ParamStats] = {}
     by_row: dict[str, ParamStats] = {}
-    # Dense and expert copies apart: a parameter an attribute makes both is counted by both
-    # optimizers, as Megatron counts it (audit's ``attributes`` finding).
-    held: dict[tuple[str, bool, coverage.Site, int], int] = defaultdict(int)
+    tally = coverage.Tally()
     nonfinite = []
     first_peak = 0.0 if request.with_inf else None
     for piece in pieces:
         if piece.row_of is None:
             if piece.nonfinite is not None:
                 nonfinite.append(piece.nonfinite)
-            if piece.extent != coverage.UNKNOWN:
-                key = piece.name, piece.expert, piece.site, piece.extent
-                held[key] += piece.numel + piece.pad_zeros
+            tally.add(piece)
         peak = piece.max_abs
         found = by_name if piece.row_of is None else by_row
         stats = found.get(piece.name)
@@ -546,13 +544,12 @@ def merge(pieces: Iterable[Piece], request: Request) -> SnapshotStats:
         stats.zeros += piece.zeros
         stats.ranks.append(piece.rank)
     norm_types = (*request.finite, math.inf) if request.with_inf else request.finite
-    miscounts = tuple(
-        coverage.Miscount(name, site, count, extent)
-        for (name, _, site, extent), count in held.items()
-        if count != extent
-    )
     return SnapshotStats(
-        tuple(by_name.values()), norm_types, tuple(nonfinite), tuple(by_row.values()), miscounts
+        tuple(by_name.values()),
+        norm_types,
+        tuple(nonfinite),
+        tuple(by_row.values()),
+        tally.miscounts(),
     )
 
 
