@@ -4,8 +4,9 @@ The statistics add up what the filters count, trusting the snapshot's attributes
 ``distributed_optimizer`` flag. Where those are wrong the total is wrong with no other sign: a
 snapshot marked ``distributed_optimizer`` whose data-parallel ranks each hold the whole
 gradient counts it once per rank (sqrt(DP) too large), and fragments that overlap count their
-overlap twice. This check costs two numbers per counted tensor, and holds under a launcher too,
-as they travel with its statistics.
+overlap twice. This check costs three fields per counted tensor's piece (its site, its
+extent, whether that is guessed), and holds under a launcher too, as they travel with its
+statistics.
 
 A *site* is where the ranks hold different elements of a parameter: its pipeline stage, expert
 rank, TP and GTP rank (ETP and EGTP for expert parameters), or for a DTensor the TP ranks of a
@@ -26,12 +27,15 @@ import math
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from gradstat.core.axes import Axis
 from gradstat.core.placements import is_tensor_parallel_dim
 from gradstat.errors import DumpWarning, SnapshotError
 from gradstat.snapshot.format import ParamRecord, RankHeader
+
+if TYPE_CHECKING:
+    from gradstat.analysis.stats import Piece  # which imports this module
 
 __all__ = ["UNKNOWN", "Miscount", "Site", "Tally", "check", "extent", "site"]
 
@@ -120,31 +124,6 @@ class Miscount(NamedTuple):
         return " ".join(f"{role} {rank}" for role, rank in placed if rank >= 0)
 
 
-class _Counted(Protocol):
-    """What the tally reads of a counted tensor's piece."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def expert(self) -> bool: ...
-    @property
-    def site(self) -> Site: ...
-    @property
-    def extent(self) -> int: ...
-    @property
-    def guessed(self) -> bool: ...
-    @property
-    def numel(self) -> int: ...
-    @property
-    def pad_zeros(self) -> int: ...
-    @property
-    def zeros(self) -> int: ...
-    @property
-    def max_abs(self) -> float | None: ...
-    @property
-    def norms(self) -> tuple[float, ...]: ...
-
-
 class _Held:
     """What the counted tensors of one site hold so far."""
 
@@ -178,8 +157,8 @@ class Tally:
     def __init__(self) -> None:
         self._sites: dict[tuple[str, bool, Site, int], _Held] = {}
 
-    def add(self, piece: _Counted) -> None:
-        """A counted tensor (a piece of gradstat.analysis.stats), at its site."""
+    def add(self, piece: Piece) -> None:
+        """A counted tensor's piece, at its site."""
         if piece.extent == UNKNOWN:
             return
         # Dense and expert copies apart: a parameter an attribute makes both is counted by
