@@ -28,6 +28,10 @@ holds for gradstat's own snapshots, so that every command reads such a directory
 
 What the files cannot tell is refused in one line, or stated by an option: the expert TP size
 when the writers do not tell it (``--etp``), GTP (whose ranks write the same file: ``--gtp``).
+An expert TP size over the TP size is such a case: the expert TP ranks that share a TP rank
+write the same file, so the dump keeps one of their expert shards; its files are an ETP = TP
+job's grid with nothing in the shapes to tell them apart. Unstated, ETP = TP (Megatron's
+default) is taken; stated, it is refused.
 """
 
 from __future__ import annotations
@@ -325,7 +329,23 @@ def _writers(tp: int, ep: int, etp: int) -> dict[tuple[int, int], int]:
 
 
 def _expert_tp(folder: Path, dumps: list[_Dump], tp: int, ep: int, etp: int | None) -> int:
-    """The expert TP size the writers present tell (or the one stated), checked."""
+    """The expert TP size the writers present tell (or the one stated), checked.
+
+    A job whose expert TP size is over its TP size has writers that share a TP and an EP rank
+    (``r % TP`` and ``r // ETP``) and write the same file, each over the last: its dump keeps
+    one expert TP rank's shards of each expert per TP rank, so it is refused when stated. Its
+    file names are the full TP x EP grid, as a job's with ETP = TP (Megatron's default), and
+    the shapes do not tell the two apart (no tensor holds the experts' unsplit width): unstated,
+    ETP = TP is taken.
+    """
+    # Without an expert gradient nothing is lost: the writers' grid below answers the size.
+    names = (name for dump in dumps for held in dump.chunks.values() for name in held)
+    if etp is not None and etp > tp and any(EXPERT_NAME.search(name) for name in names):
+        raise SnapshotError(
+            f"{folder}: a wgrads dump of a job whose expert TP size ({etp}, --etp) is over its "
+            f"TP size ({tp}) cannot be read: the expert TP ranks that share a TP rank write the "
+            "same mp_rank file, so Megatron's dump holds one of their expert shards, not every one"
+        )
     present = {(dump.tp, dump.ep) for dump in dumps if dump.pp == 0}
     candidates = [etp] if etp is not None else [tp, *range(1, tp)]
     for size in candidates:
