@@ -210,8 +210,10 @@ def test_parts_repeated_from_files_read_before_read_as_the_whole_file(tmp_path: 
     known = Repeats()
     for name in originals:
         open_rank_file(good, name, known=known)
-    # Both ranks hold one list and one layout; their metadata differ (rank, coordinates).
-    assert len(known.layouts) == 1 and len(known.params.by_text) == 1
+    # Both ranks hold one list and one layout, each kept by its text and by its template (a
+    # file whose names differ would read it); their metadata differ (rank, coordinates).
+    assert len(known.layouts) == 2 and len(known.params.by_text) == 1
+    assert len(known.params.by_template) == 1
     rng = random.Random(SEED)
     trial = tmp_path / "trial"
     trial.mkdir()

@@ -409,7 +409,7 @@ def test_rank_files_gradstat_writes_have_their_parameter_list_last(tmp_path: Pat
         text = _read_with_safetensors(path)[1]["gradstat"]
         known = KnownParams()
         assert parse_header(path, text, known) == parse_header(path, text), path
-        assert len(known.by_text) + len(known.by_template) == 1, path  # split off and kept
+        assert known.by_text or known.by_template, path  # split off and kept
 
 
 def test_a_folder_renamed_between_link_and_cleanup_leaves_one_name_and_no_error(

@@ -30,6 +30,7 @@ import json
 import math
 import mmap
 import os
+import re
 import stat
 import struct
 import warnings
@@ -122,8 +123,9 @@ class TensorLayout:
     end: int
 
 
-# The tensor layouts of files read before, by the text of the header after its metadata.
-KnownLayouts = dict[str, TensorLayout]
+# The tensor layouts of files read before, by the text of the header after its metadata, and
+# by its template: that text split at the tensors' names (see _ENTRY_NAMES).
+KnownLayouts = dict[str | tuple[str, ...], TensorLayout]
 
 
 _NOT_REGULAR = (
@@ -241,7 +243,8 @@ def _known_slots(
     path: Path, text: str, known: KnownLayouts
 ) -> tuple[dict[str, str], TensorLayout] | None:
     """The header's metadata, and its tensors' layout checked once per distinct text: the rank
-    files of a snapshot mostly hold the same tensors and differ in the metadata alone.
+    files of a snapshot mostly hold the same tensors and differ in the metadata alone, or in
+    their names too (pipeline stages named by global layer index), read once per template.
 
     Safetensors headers written by gradstat (and the safetensors library) begin with the
     metadata. Its value is parsed where it stands; the rest, ``{`` and what follows its
@@ -258,22 +261,55 @@ def _known_slots(
     rest = text[found[1] + 1 :].rstrip(" \t\n\r")
     layout = known.get(rest)
     if layout is None:
-        entries = scan_json("{" + rest, 0)
-        if (
-            entries is None
-            or entries[1] != len(rest) + 1
-            or type(entries[0]) is not dict
-            or not entries[0]
-            or "__metadata__" in entries[0]
-        ):
+        layout = _layout_of(path, "{" + rest, known)
+        if layout is None:
             return None
-        try:
-            slots = {name: _slot(path, name, entry) for name, entry in entries[0].items()}
-            end = _check_tiling(path, slots, None)
-        except SnapshotError:
-            return None
-        layout = known[rest] = TensorLayout(slots, end)
+        known[rest] = layout
     return found[0], layout
+
+
+# A tensor's entry begins: "{" or ",", its name as a plain JSON string (no escape, no control
+# character: its text is its value), and the opening of its object. Split at these, a header's
+# entries are a template and the names that fill it.
+_ENTRY_NAMES = re.compile(r'([{,])"([^"\\\x00-\x1f]*)":\{')
+
+
+def _layout_of(path: Path, entries_text: str, known: KnownLayouts) -> TensorLayout | None:
+    """The checked layout of the tensors' entries (``{`` and what follows the metadata): its
+    template's with these names, or parsed and checked, and its template kept; None where the
+    entries do not parse as one object of tensors (the caller parses the whole header).
+
+    A template was made from entries whose split names are their keys, one to one, in order:
+    other plain names in their places make entries that parse the same under those keys, so
+    what is left to check is that no name is given twice, and that none is the metadata's.
+    """
+    parts = _ENTRY_NAMES.split(entries_text)  # text, "{" or ",", name, text, ...
+    names = parts[2::3]
+    template_key = tuple(parts[0::3] + parts[1::3])
+    template = known.get(template_key)
+    if template is not None:
+        slots = dict(zip(names, template.slots.values(), strict=True))
+        if len(slots) == len(names) and "__metadata__" not in slots:
+            return TensorLayout(slots, template.end)
+        return None
+    entries = scan_json(entries_text, 0)
+    if (
+        entries is None
+        or entries[1] != len(entries_text)
+        or type(entries[0]) is not dict
+        or not entries[0]
+        or "__metadata__" in entries[0]
+    ):
+        return None
+    try:
+        slots = {name: _slot(path, name, entry) for name, entry in entries[0].items()}
+        end = _check_tiling(path, slots, None)
+    except SnapshotError:
+        return None
+    layout = TensorLayout(slots, end)
+    if list(slots) == names:  # each split name is a key, in order: a template
+        known[template_key] = layout
+    return layout
 
 
 def _slot(path: Path, name: str, entry: Any) -> TensorSlot:
