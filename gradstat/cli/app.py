@@ -447,7 +447,11 @@ TpReplicatedOption = Annotated[
 EtpOption = Annotated[
     int | None,
     typer.Option(
-        "--etp", help="Megatron wgrads dumps: the expert TP size, where the files do not tell it."
+        "--etp",
+        help=(
+            "Megatron wgrads dumps: the expert TP size, where the files do not tell it; one "
+            "over the TP size cannot be told from the files (assumed TP) and is refused."
+        ),
     ),
 ]
 GtpOption = Annotated[
