@@ -3,8 +3,9 @@
 The statistics trust the attributes and the ``distributed_optimizer`` flag. A job that marks
 its snapshot ``distributed_optimizer`` while every data-parallel rank holds the whole gradient
 (a plain optimizer), or fragments that overlap, gave a norm sqrt(2) too large with exit 0, and
-audit found nothing. Elements no rank file holds are warned of. Expected norms are float64 sums
-over the gradients written here.
+audit found nothing. Elements no rank file holds are warned of. An overlap that a gap of its
+size hides (the totals right) is found from where each tensor lies. Expected norms are float64
+sums over the gradients written here.
 """
 
 from __future__ import annotations
@@ -131,9 +132,130 @@ def test_elements_no_file_holds_are_warned_of(tmp_path: Path) -> None:
     assert kinds.count(("elements_missing", "w")) == _TP
 
 
+def test_an_overlap_that_a_gap_hides_is_refused(tmp_path: Path) -> None:
+    """Fragments [0, 8) and [4, 8) of w's 12 TP-local elements hold 12 in all, as many as it
+    has: the totals saw nothing, and the norm counted elements 4..8 twice and 8..12 nowhere
+    (21.54 for 23.81, exit 0, audit clean). Where the fragments lie tells."""
+    folder = _write(tmp_path / "snap", _fragments(((0, 8), (4, 8))), True)
+    right = _write(tmp_path / "right", _fragments(((0, 8), (8, 12))), True)
+    held = [
+        _W.chunk(_TP)[tp].reshape(-1)[start:stop]
+        for tp in range(_TP)
+        for start, stop in ((0, 8), (4, 8))
+    ]
+    assert not math.isclose(float64_norm([*held, _B], 2.0), _TRUE_NORM, rel_tol=1e-3)
+    status, document, stderr = _gradstat("norm", right, "--json")
+    assert status == 0 and document is not None, stderr
+    assert math.isclose(document["total_norm"], _TRUE_NORM, rel_tol=1e-12)
+    assert document["warnings"] == []
+    for command in ("norm", "zeros", "clip"):
+        clip = ("--max-norm", "1", "--out", tmp_path / "clipped") if command == "clip" else ()
+        status, _, stderr = _gradstat(command, folder, *clip)
+        assert status == 2 and stderr.count("\n") == 1, (command, stderr)
+        assert stderr.startswith(
+            f"gradstat: error: {folder}: parameter 'w' at TP 0: its counted tensors hold 12 "
+            "elements of its 12, but ranks 0 and 2 both hold its elements [4:8]: 4 are counted "
+            "twice, and 4 are in no rank file (fragments or shards that overlap); 1 more like it"
+        ), stderr
+    status, document, stderr = _gradstat("audit", folder, "--json")
+    assert status == 1 and document is not None, stderr
+    found = [(item["kind"], item["name"]) for item in document["findings"]]
+    assert found.count(("elements_counted_twice", "w")) == _TP, found
+    status, _, stderr = _gradstat("compare", right, folder)
+    assert status == 2 and "counted twice" in stderr, stderr
+
+
+def _stages_of(
+    folder: Path, stages: list[list[tuple[torch.Tensor, int]]], placed: bool = False
+) -> Path:
+    """Each stage's Shard(0) DTensor shards of ``0.weight``, shaped like ``_W`` (rows, and the
+    first one's index), one rank file each, its mesh one rank per shard of the weight's rows;
+    ``placed``: the files say their stage."""
+    folder.mkdir()
+    ranks = [(stage, item) for stage, shards in enumerate(stages) for item in enumerate(shards)]
+    for rank, (stage, (index, (grad, start))) in enumerate(ranks):
+        parts, full = _W.shape[0] // grad.shape[0], tuple(_W.shape)
+        at = (start // grad.shape[0],)
+        mesh = MeshPlacement((parts,), at, ("S(0)",), full, ("dp_shard",), (start, 0))
+        record = ParamRecord("0.weight", True, tuple(grad.shape), "float32", full, {}, mesh)
+        coords = {axis: (0, 1) for axis in AXES} | {"dp": (rank, len(ranks))}
+        if placed:
+            coords |= {"pp": (stage, len(stages)), "dp": (index, len(stages[stage]))}
+        header = RankHeader(rank, len(ranks), None, coords, False, "grad", (record,))
+        with open(folder / f"rank-{rank:05d}.safetensors", "wb") as file:
+            write_container(file, {METADATA_KEY: header.to_json()}, [("0.weight", grad)])
+    return folder
+
+
+def test_a_dtensor_shard_held_twice_and_another_missing_is_found(tmp_path: Path) -> None:
+    """FSDP2 shards of one weight, the second file holding the first's rows at its offset: 24
+    elements of 24, and the norm counted rows 0..2 twice and rows 2..4 nowhere (12.02 for
+    23.33, exit 0). Where the shards lie tells."""
+    top, bottom = _W.chunk(2)
+    folder = _stages_of(tmp_path / "copy", [[(top, 0), (top.clone(), 0)]])
+    assert not math.isclose(float64_norm([top, top], 2.0), float64_norm([_W], 2.0), rel_tol=1e-3)
+    status, _, stderr = _gradstat("norm", folder)
+    assert stderr == (
+        f"gradstat: error: {folder}: parameter '0.weight': its counted tensors hold 24 elements "
+        "of its 24, but ranks 0 and 1 both hold its elements [0:2, 0:6], copies of one tensor "
+        "(their statistics alike), while 12 of its elements are in no rank file: the copies "
+        "are counted twice\n"
+    )
+    assert status == 2
+    status, document, _ = _gradstat("audit", folder, "--json")
+    assert status == 1 and document is not None
+    found = [(item["kind"], item["name"]) for item in document["findings"]]
+    assert ("elements_counted_twice", "0.weight") in found, found
+    # Files that say their stage: two shards at one offset are counted twice, copies or not.
+    stages = [[(top, 0), (bottom, 2)], [(-top, 0), (-bottom, 0)]]
+    folder = _stages_of(tmp_path / "placed", stages, placed=True)
+    status, _, stderr = _gradstat("norm", folder)
+    assert status == 2 and stderr == (
+        f"gradstat: error: {folder}: parameter '0.weight' at PP 1: its counted tensors hold 24 "
+        "elements of its 24, but ranks 2 and 3 both hold its elements [0:2, 0:6]: 12 are "
+        "counted twice, and 12 are in no rank file (fragments or shards that overlap)\n"
+    )
+    # Files that do not may be of stages that each lost a shard: that is warned of.
+    folder = _stages_of(tmp_path / "unplaced", [[(top, 0), (bottom, 0)]])
+    status, document, stderr = _gradstat("norm", folder, "--json")
+    assert status == 0 and document is not None, stderr
+    assert math.isclose(document["total_norm"], float64_norm([_W], 2.0), rel_tol=1e-12)
+    (warning,) = document["warnings"]
+    assert warning.endswith(
+        "parameter '0.weight': its counted tensors hold 24 elements of its 24, but 12 of its "
+        "elements are in no rank file: some count nowhere (a shard missing)"
+    ), warning
+
+
+def test_pipeline_stages_cut_differently_are_no_copies(tmp_path: Path) -> None:
+    """Two stages naming a weight alike, on meshes of 2 and 4, no file saying its stage: every
+    element is held twice, by different values, and no shard overlaps another of its stage."""
+    stages = [[(_W[:2], 0), (_W[2:], 2)], [(-row, index) for index, row in enumerate(_W.split(1))]]
+    status, document, stderr = _gradstat("norm", _stages_of(tmp_path / "snap", stages), "--json")
+    assert status == 0 and document is not None, stderr
+    assert math.isclose(document["total_norm"], float64_norm([_W, -_W], 2.0), rel_tol=1e-12)
+    assert document["warnings"] == [] and stderr == ""
+    # Without the stage of one mesh, some elements are held once and others twice.
+    status, document, stderr = _gradstat(
+        "norm", _stages_of(tmp_path / "lost", [stages[0], stages[1][1:]]), "--json"
+    )
+    assert status == 0 and document is not None, stderr
+    assert math.isclose(document["total_norm"], float64_norm([_W, -_W[1:]], 2.0), rel_tol=1e-12)
+    (warning,) = document["warnings"]
+    assert warning.endswith(
+        "parameter '0.weight': its counted tensors hold 42 elements, 18 more than its 24, but "
+        "its elements [0:1, 0:6] are held by 1 and others by 2: some count nowhere (a shard "
+        "missing)"
+    ), warning
+
+
 @pytest.mark.multiprocess
-def test_under_torchrun_every_process_refuses_in_one_line(tmp_path: Path) -> None:
-    folder = _write(tmp_path / "snap", _whole, distributed_optimizer=True)
+@pytest.mark.parametrize("case", ["plain optimizer marked distributed", "overlap a gap hides"])
+def test_under_torchrun_every_process_refuses_in_one_line(tmp_path: Path, case: str) -> None:
+    if case == "plain optimizer marked distributed":
+        folder = _write(tmp_path / "snap", _whole, distributed_optimizer=True)
+    else:  # the fragments' places cross processes with their statistics
+        folder = _write(tmp_path / "snap", _fragments(((0, 8), (4, 8))), True)
     status = tmp_path / "status"
     alone = run_gradstat("norm", folder)
     shared = run_gradstat("norm", folder, "--status-file", status, nproc=2)

@@ -257,7 +257,8 @@ def test_a_rank_file_identity_is_its_size_and_whole_header(tmp_path: Path) -> No
 
 def test_pieces_cross_processes_as_columns_unchanged() -> None:
     """What a process sends of its pieces (a list per field, through JSON) gives back the same
-    pieces, in order: non-finite norms, a NaN/Inf record, no peak, an expert row, none at all."""
+    pieces, in order: non-finite norms, a NaN/Inf record, no peak, an expert row, a tensor placed
+    at its site (a box), none at all."""
     import math
 
     from gradstat.analysis.stats import NonFinite, Piece
@@ -267,7 +268,9 @@ def test_pieces_cross_processes_as_columns_unchanged() -> None:
         Piece(0, "b", True, 7, 2, 0, (math.inf, math.nan), math.inf, NonFinite(0, "b", 1, 2)),
         Piece(3, "c[4]", True, 1, 0, 1, (0.0,), None, None, row_of="c"),
         Piece(5, "d", False, 2**40, 0, 2**33, (1e-300, 3e300), 5e-324, None),
+        Piece(6, "e", False, 4, 0, 0, (2.0,), 2.0, None, site=(1, -1, 0, -1), extent=12),
     ]
+    pieces[-1] = pieces[-1]._replace(box=((2, 4), (2, 2)))
     for sent in (pieces, []):
         back = Piece.from_columns(json.loads(json.dumps(Piece.to_columns(sent))))
         assert [repr(piece) for piece in back] == [repr(piece) for piece in sent]

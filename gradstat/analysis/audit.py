@@ -500,7 +500,7 @@ def audit_snapshot(
     ]
     ranks = {param.name: param.ranks for param in stats.params}
     for miscount in stats.miscounts:
-        kind = "elements_counted_twice" if miscount.held > miscount.extent else "elements_missing"
+        kind = "elements_counted_twice" if miscount.twice else "elements_missing"
         raw = _raw(kind, miscount.name, ranks[miscount.name], miscount.detail())
         findings.append(_finding(raw, total))
     headers = [(rank_file.rank, rank_file.header) for rank_file in snapshot.files]

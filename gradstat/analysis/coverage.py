@@ -4,9 +4,9 @@ The statistics add up what the filters count, trusting the snapshot's attributes
 ``distributed_optimizer`` flag. Where those are wrong the total is wrong with no other sign: a
 snapshot marked ``distributed_optimizer`` whose data-parallel ranks each hold the whole
 gradient counts it once per rank (sqrt(DP) too large), and fragments that overlap count their
-overlap twice. This check costs three fields per counted tensor's piece (its site, its
-extent, whether that is guessed), and holds under a launcher too, as they travel with its
-statistics.
+overlap twice. This check costs four fields per counted tensor's piece (its site, its extent,
+whether that is guessed, its box where its record places it), and holds under a launcher too,
+as they travel with its statistics.
 
 A *site* is where the ranks hold different elements of a parameter: its pipeline stage, expert
 rank, TP and GTP rank (ETP and EGTP for expert parameters), or for a DTensor the TP ranks of a
@@ -19,12 +19,24 @@ parameter, or a shard named by hand), and a DTensor in a file that places no pip
 (stages may hold parameters of one name). Holding more than a guessed extent is counted twice
 only where the tensors are copies of one another (their statistics alike, and not all zero):
 a plain optimizer's replicas; shards and stages hold different values.
+
+Totals alone miss an overlap that a gap of its size hides (fragments [0, 8) and [4, 8) of 12
+elements; a DTensor shard written twice, another not at all). Where every counted tensor of a
+site says where it lies, its *box* (a fragment's range of the flattened parameter from its
+``fragment_offset``; a DTensor shard's ``global_offset`` and shape in its global shape), the
+boxes tell: elements two of them hold are counted twice, those none holds are missing. Under a
+guessed extent each stage holds every element once, so elements held less often than others
+are missing, unless the surplus is a copy: two tensors at one box with alike statistics, not
+all zero, are counted twice. A site whose boxes cut its elements into more than
+``MOST_CELLS`` cells is judged by its totals alone.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
+from bisect import bisect_left
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
@@ -37,11 +49,27 @@ from gradstat.snapshot.format import ParamRecord, RankHeader
 if TYPE_CHECKING:
     from gradstat.analysis.stats import Piece  # which imports this module
 
-__all__ = ["UNKNOWN", "Miscount", "Site", "Tally", "check", "extent", "site"]
+__all__ = [
+    "MOST_CELLS",
+    "UNKNOWN",
+    "Box",
+    "Miscount",
+    "Site",
+    "Tally",
+    "box",
+    "check",
+    "extent",
+    "site",
+]
 
 # (pp, ep, tp, gtp) rank; -1 where the parameter is not split along that role.
 Site = tuple[int, int, int, int]
 UNKNOWN = -1  # the extent of a tensor that does not say which parameter's range it is
+# Where a counted tensor lies among its site's elements: (offset, shape).
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+# The most pieces a site's boxes may cut its elements into for them to be compared: a grid of
+# shards is cut into one per shard; past it (boxes askew to each other) the totals judge alone.
+MOST_CELLS = 1 << 20
 _ROLES = ("PP", "EP", "TP", "GTP")
 
 
@@ -93,6 +121,18 @@ def extent(rank_file: _Placed, record: ParamRecord) -> tuple[int, bool]:
     return (UNKNOWN, False) if len(record.shape) < 2 else (record.numel, True)
 
 
+def box(record: ParamRecord) -> Box | None:
+    """Where a counted tensor lies among its site's elements, where its record says: a DTensor
+    shard's box in its global shape, a fragment's range of its flattened parameter (None for
+    a 0-dim DTensor: its one element, its count tells)."""
+    dtensor = record.dtensor
+    if dtensor is not None:
+        offset = dtensor.global_offset
+        return (offset, record.shape) if offset else None
+    start = record.attr("fragment_offset")  # the format checks it comes with fragment_shape
+    return None if start is None else ((start,), record.shape)
+
+
 class Miscount(NamedTuple):
     """A site whose counted tensors do not hold its elements once."""
 
@@ -100,6 +140,9 @@ class Miscount(NamedTuple):
     site: Site
     held: int  # elements the counted tensors hold, in all
     extent: int
+    twice: bool  # some elements are counted twice (else: some count nowhere)
+    # What the counted tensors' boxes tell that the totals do not ("": the totals tell).
+    placed: str = ""
 
     def line(self) -> str:
         return f"parameter {self.name!r}{'' if self._where() else ':'} {self.detail()}"
@@ -108,6 +151,10 @@ class Miscount(NamedTuple):
         """What :meth:`line` says after the parameter's name."""
         where = self._where()
         counted = f"{f'at {where}: ' if where else ''}its counted tensors hold {self.held} elements"
+        if self.placed:
+            more = self.held - self.extent
+            size = f", {more} more than its {self.extent}" if more > 0 else f" of its {self.extent}"
+            return f"{counted}{size}, but {self.placed}"
         if self.held > self.extent:
             return (
                 f"{counted}, {self.held - self.extent} more than its {self.extent}: some are "
@@ -131,11 +178,39 @@ class _Held:
         self.extent, self.guessed = extent, guessed
         self.held = 0
         self.signature: tuple[Any, ...] | None = signature  # None once two differ
+        # Its pieces, each with a box; None once one does not say where it lies.
+        self.pieces: list[Piece] | None = []
+        # Whether each box starts past the one before along the first dimension, and where
+        # the last stops: a data-parallel group's fragments and FSDP's shards come so, in rank
+        # order, and are then apart without a second look (which cost 0.5 us a piece, the
+        # pieces of all sites coming in turn and no longer in a cache).
+        self.in_order, self.reach = True, 0
 
-    def add(self, numel: int, signature: tuple[Any, ...]) -> None:
+    def add(self, piece: Piece, numel: int, signature: tuple[Any, ...]) -> None:
         self.held += numel
         if signature != self.signature:
             self.signature = None
+        box = piece.box
+        if box is None:
+            self.pieces = None
+        elif numel and self.pieces is not None:  # an empty shard holds nothing
+            self.pieces.append(piece)
+            offset = box[0]
+            if self.in_order and offset and offset[0] >= self.reach:
+                self.reach = offset[0] + box[1][0]
+            else:
+                self.in_order = False
+
+    def verdict(self) -> tuple[bool, str] | None:
+        """Whether some elements are counted twice (else some are missing), and what the boxes
+        tell beyond the totals; None where the site's elements are held once."""
+        if self.pieces is not None and not self.in_order:
+            placed = _placed(self.pieces, self.extent, self.guessed)
+            if placed is not None:
+                return placed
+        if self.held < self.extent:
+            return False, ""
+        return (True, "") if self.counted_twice() else None
 
     def counted_twice(self) -> bool:
         if self.held <= self.extent:
@@ -143,12 +218,168 @@ class _Held:
         if not self.guessed:
             return True
         # Past a guessed extent, only copies of one tensor with something in them are twice.
-        if self.signature is None:
-            return False
-        numel, zeros, peak, norms = self.signature
-        if norms or peak is not None:
-            return bool(peak) or any(norms)
-        return bool(zeros < numel)  # only zeros were counted
+        return self.signature is not None and _something(self.signature)
+
+
+def _something(signature: tuple[Any, ...]) -> bool:
+    """Whether a tensor of these statistics is not all zeros."""
+    numel, zeros, peak, norms = signature
+    if norms or peak is not None:
+        return bool(peak) or any(norms)
+    return bool(zeros < numel)  # only zeros were counted
+
+
+def _signature(piece: Piece) -> tuple[Any, ...]:
+    """A piece's statistics: alike for copies of one tensor."""
+    return piece.numel, piece.zeros, piece.max_abs, piece.norms
+
+
+def _placed(pieces: Sequence[Piece], extent: int, guessed: bool) -> tuple[bool, str] | None:
+    """What a site's boxes tell that its totals do not: elements two tensors hold (under a
+    guessed extent, elements held unevenly), as :meth:`_Held.verdict` gives it; None where
+    they tell nothing more (no element held twice), or cut the site too finely."""
+    places = [piece.box for piece in pieces if piece.box is not None]
+    if _disjoint(places):
+        return None
+    grid = _Grid.of(places)
+    if grid is None or grid.most < 2:
+        return None
+    if not guessed:
+        first, second = grid.sharing(places, pieces)
+        twice = f"{_both(first, second)}: {_are(grid.held - grid.covered)} counted twice"
+        if grid.covered < extent:
+            twice += f", and {_are(extent - grid.covered)} in no rank file"
+        return True, f"{twice} (fragments or shards that overlap)"
+    # Stages of one local name each hold every element once: as often as one another.
+    if grid.covered == extent and grid.fewest == grid.most:
+        return None
+    alike: dict[tuple[Box | None, tuple[Any, ...]], Piece] = {}
+    for piece in pieces:
+        signature = _signature(piece)
+        first = alike.setdefault((piece.box, signature), piece)
+        if first is not piece and _something(signature):
+            return True, (
+                f"{_both(first, piece)}, copies of one tensor (their statistics alike), while "
+                f"{grid.uneven(extent)}: the copies are counted twice"
+            )
+    return False, f"{grid.uneven(extent)}: some count nowhere (a shard missing)"
+
+
+def _disjoint(boxes: Sequence[Box]) -> bool:
+    """Whether no two boxes share an element, where that is quick to tell (False: either):
+    along each dimension their spans are the same or apart (a grid of shards), and no two
+    boxes are alike, or apart along one dimension alone (shards of one dimension)."""
+    for dim in range(len(boxes[0][0])):
+        spans = sorted([(offset[dim], shape[dim]) for offset, shape in boxes])
+        prior, reach, distinct = spans[0], sum(spans[0]), 1
+        for span in spans:
+            if span != prior:
+                if span[0] < reach:
+                    return False
+                prior, reach, distinct = span, sum(span), distinct + 1
+        if distinct == len(boxes):
+            return True
+    return len(set(boxes)) == len(boxes)
+
+
+def _are(count: int) -> str:
+    return f"{count} {'is' if count == 1 else 'are'}"
+
+
+def _both(first: Piece, second: Piece) -> str:
+    assert first.box is not None and second.box is not None
+    region = _region(_meet(first.box, second.box))
+    if first.rank == second.rank:
+        return f"rank {first.rank} holds its elements {region} twice"
+    return f"ranks {first.rank} and {second.rank} both hold its elements {region}"
+
+
+def _meet(first: Box, second: Box) -> Box:
+    starts = tuple(map(max, first[0], second[0]))
+    stops = [min(a + n, b + m) for a, n, b, m in zip(*first, *second, strict=True)]
+    return starts, tuple(stop - start for start, stop in zip(starts, stops, strict=True))
+
+
+def _region(place: Box) -> str:
+    spans = (f"{start}:{start + size}" for start, size in zip(*place, strict=True))
+    return f"[{', '.join(spans)}]"
+
+
+class _Grid:
+    """How many of a site's boxes hold each element: the boxes' edges cut the elements into
+    cells, each held by the same boxes throughout."""
+
+    def __init__(self, cuts: list[list[int]], depth: dict[tuple[int, ...], int]) -> None:
+        self.cuts, self.depth = cuts, depth
+        self.most = max(depth.values())
+
+    @classmethod
+    def of(cls, boxes: Sequence[Box]) -> _Grid | None:
+        """None where the boxes cut their elements into more than ``MOST_CELLS`` cells."""
+        cuts = [_edges(boxes, dim) for dim in range(len(boxes[0][0]))]
+        if math.prod(len(edges) - 1 for edges in cuts) > MOST_CELLS:
+            return None
+        depth: dict[tuple[int, ...], int] = {}
+        for offset, shape in boxes:
+            spans = [
+                range(bisect_left(edges, start), bisect_left(edges, start + size))
+                for edges, start, size in zip(cuts, offset, shape, strict=True)
+            ]
+            for cell in itertools.product(*spans):
+                depth[cell] = depth.get(cell, 0) + 1
+        return cls(cuts, depth)
+
+    def place(self, cell: tuple[int, ...]) -> Box:
+        """The box of a cell."""
+        edges = [(cut[index], cut[index + 1]) for cut, index in zip(self.cuts, cell, strict=True)]
+        return tuple(start for start, _ in edges), tuple(stop - start for start, stop in edges)
+
+    def size(self, cell: tuple[int, ...]) -> int:
+        return math.prod(self.place(cell)[1])
+
+    @property
+    def covered(self) -> int:
+        """Elements some box holds."""
+        return sum(map(self.size, self.depth))
+
+    @property
+    def held(self) -> int:
+        """Elements the boxes hold, each as often as they hold it."""
+        return sum(self.size(cell) * depth for cell, depth in self.depth.items())
+
+    @property
+    def fewest(self) -> int:
+        """The fewest boxes that hold one of the elements some box holds."""
+        return min(self.depth.values())
+
+    def sharing(self, places: Sequence[Box], pieces: Sequence[Piece]) -> tuple[Piece, Piece]:
+        """The first two pieces (at ``places``) that hold one element, in element order."""
+        cell = min(cell for cell, depth in self.depth.items() if depth > 1)
+        start = self.place(cell)[0]
+        held = zip(places, pieces, strict=True)
+        first, second, *_ = (piece for place, piece in held if _inside(start, place))
+        return first, second
+
+    def uneven(self, extent: int) -> str:
+        """Which elements are held less often than others, in words."""
+        if self.covered < extent:
+            return f"{extent - self.covered} of its elements are in no rank file"
+        cell = min(cell for cell, depth in self.depth.items() if depth == self.fewest)
+        return (
+            f"its elements {_region(self.place(cell))} are held by {self.fewest} and others by "
+            f"{self.most}"
+        )
+
+
+def _edges(boxes: Sequence[Box], dim: int) -> list[int]:
+    """Where the boxes start and stop along ``dim``, in order."""
+    return sorted(
+        {edge for offset, shape in boxes for edge in (offset[dim], offset[dim] + shape[dim])}
+    )
+
+
+def _inside(point: tuple[int, ...], place: Box) -> bool:
+    return all(start <= at < start + size for at, start, size in zip(point, *place, strict=True))
 
 
 class Tally:
@@ -164,29 +395,30 @@ class Tally:
         # Dense and expert copies apart: a parameter an attribute makes both is counted by
         # both optimizers, as Megatron counts it (audit's ``attributes`` finding).
         key = piece.name, piece.expert, piece.site, piece.extent
-        signature = (piece.numel, piece.zeros, piece.max_abs, piece.norms)
+        signature = _signature(piece)
         held = self._sites.get(key)
         if held is None:
             held = self._sites[key] = _Held(piece.extent, piece.guessed, signature)
-        held.add(piece.numel + piece.pad_zeros, signature)
+        held.add(piece, piece.numel + piece.pad_zeros, signature)
 
     def miscounts(self) -> tuple[Miscount, ...]:
-        return tuple(
-            Miscount(name, where, held.held, size)
-            for (name, _, where, size), held in self._sites.items()
-            if held.held < size or held.counted_twice()
-        )
+        found = []
+        for (name, _, where, size), held in self._sites.items():
+            verdict = held.verdict()
+            if verdict is not None:
+                found.append(Miscount(name, where, held.held, size, *verdict))
+        return tuple(found)
 
 
 def check(where: Path, miscounts: Sequence[Miscount]) -> None:
     """Refuse statistics that count elements twice; warn of elements no rank file holds.
 
     Raises:
-        SnapshotError: a site's counted tensors hold more elements than it has (the first
+        SnapshotError: a site's counted tensors hold some of its elements twice (the first
             named; ``gradstat audit`` lists every one).
     """
-    twice = [miscount for miscount in miscounts if miscount.held > miscount.extent]
-    missing = [miscount for miscount in miscounts if miscount.held < miscount.extent]
+    twice = [miscount for miscount in miscounts if miscount.twice]
+    missing = [miscount for miscount in miscounts if not miscount.twice]
     if twice:
         raise SnapshotError(f"{where}: {twice[0].line()}{_others(twice)}")
     if missing:

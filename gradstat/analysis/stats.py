@@ -222,10 +222,12 @@ class Piece(NamedTuple):
     # its statistics are the tensor's piece's too, so the row is no part of the totals.
     row_of: str | None = None
     # Where it lies, for the check that the counted tensors hold each element once (see
-    # gradstat.analysis.coverage): its site, and the elements the site holds in all.
+    # gradstat.analysis.coverage): its site, the elements the site holds in all, and where
+    # among them it lies (None: its record does not say).
     site: coverage.Site = (-1, -1, -1, -1)
     extent: int = coverage.UNKNOWN
     guessed: bool = False
+    box: coverage.Box | None = None
 
     @classmethod
     def to_columns(cls, pieces: Sequence[Piece]) -> list[list[Any]]:
@@ -245,6 +247,9 @@ class Piece(NamedTuple):
         fields = dict(zip(cls._fields, columns, strict=True))
         fields["norms"] = [tuple(norms) for norms in fields["norms"]]
         fields["site"] = [tuple(site) for site in fields["site"]]
+        fields["box"] = [
+            None if box is None else (tuple(box[0]), tuple(box[1])) for box in fields["box"]
+        ]
         fields["nonfinite"] = [
             None if item is None else NonFinite(*item) for item in fields["nonfinite"]
         ]
@@ -400,6 +405,7 @@ def _piece(
         site=coverage.site(rank_file, param.record),
         extent=extent,
         guessed=guessed,
+        box=coverage.box(param.record),
     )
 
 
