@@ -99,9 +99,12 @@ def test_elements_counted_twice_are_refused_and_audited(tmp_path: Path, case: st
     assert status == 0 and document is not None, stderr
     assert math.isclose(document["total_norm"], _TRUE_NORM, rel_tol=1e-12)
     assert document["warnings"] == []
-    for command in ("norm", "zeros", "clip"):
-        clip = ("--max-norm", "1", "--out", tmp_path / "clipped") if command == "clip" else ()
-        status, _, stderr = _gradstat(command, folder, *clip)
+    for command in ("norm", "zeros", "clip", "explain"):
+        extra = {
+            "clip": ("--max-norm", "1", "--out", tmp_path / "clipped"),
+            "explain": ("--logged", repr(_TRUE_NORM)),  # its exact value would count twice
+        }.get(command, ())
+        status, _, stderr = _gradstat(command, folder, *extra)
         lines = stderr.splitlines()
         assert status == 2 and len(lines) == 1, (command, stderr)
         assert lines[0].startswith(f"gradstat: error: {folder}: parameter 'w' at TP 0: its")
@@ -148,9 +151,12 @@ def test_an_overlap_that_a_gap_hides_is_refused(tmp_path: Path) -> None:
     assert status == 0 and document is not None, stderr
     assert math.isclose(document["total_norm"], _TRUE_NORM, rel_tol=1e-12)
     assert document["warnings"] == []
-    for command in ("norm", "zeros", "clip"):
-        clip = ("--max-norm", "1", "--out", tmp_path / "clipped") if command == "clip" else ()
-        status, _, stderr = _gradstat(command, folder, *clip)
+    for command in ("norm", "zeros", "clip", "explain"):
+        extra = {
+            "clip": ("--max-norm", "1", "--out", tmp_path / "clipped"),
+            "explain": ("--logged", repr(_TRUE_NORM)),  # its exact value would count twice
+        }.get(command, ())
+        status, _, stderr = _gradstat(command, folder, *extra)
         assert status == 2 and stderr.count("\n") == 1, (command, stderr)
         assert stderr.startswith(
             f"gradstat: error: {folder}: parameter 'w' at TP 0: its counted tensors hold 12 "
@@ -257,11 +263,12 @@ def test_under_torchrun_every_process_refuses_in_one_line(tmp_path: Path, case: 
     else:  # the fragments' places cross processes with their statistics
         folder = _write(tmp_path / "snap", _fragments(((0, 8), (4, 8))), True)
     status = tmp_path / "status"
-    alone = run_gradstat("norm", folder)
-    shared = run_gradstat("norm", folder, "--status-file", status, nproc=2)
-    assert alone.returncode == 2 and status.read_text() == "2\n"
-    errors = [line for line in shared.stderr.splitlines() if line.startswith("gradstat: ")]
-    assert errors == alone.stderr.splitlines() and len(errors) == 1
+    for command in (("norm",), ("explain", "--logged", "1.0")):
+        alone = run_gradstat(*command, folder)
+        shared = run_gradstat(*command, folder, "--status-file", status, nproc=2)
+        assert alone.returncode == 2 and status.read_text() == "2\n", command
+        errors = [line for line in shared.stderr.splitlines() if line.startswith("gradstat: ")]
+        assert errors == alone.stderr.splitlines() and len(errors) == 1, command
 
 
 def test_shards_named_by_hand_are_no_copies(tmp_path: Path) -> None:

@@ -15,8 +15,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gradstat.analysis import coverage
 from gradstat.analysis.hypotheses import (
     COPY_KINDS,
     HYPOTHESES,
@@ -28,7 +30,7 @@ from gradstat.analysis.hypotheses import (
     names,
 )
 from gradstat.analysis.report import SnapshotInfo, as_dict, json_number, snapshot_info
-from gradstat.analysis.stats import Request, counts, tensor_piece
+from gradstat.analysis.stats import Piece, Request, counts, tensor_piece
 from gradstat.core.predicates import (
     param_is_not_gtp_duplicate,
     param_is_not_shared,
@@ -109,8 +111,18 @@ def snapshot_tensor_pieces(
 ) -> list[TensorPiece]:
     """Every tensor with a gradient of the given rank files (default: the snapshot's), in
     rank-file order, one pass each."""
+    return _read_pieces(snapshot, norm_type, files)[0]
+
+
+def _read_pieces(
+    snapshot: Snapshot | SnapshotShare,
+    norm_type: float,
+    files: Sequence[RankFile] | None = None,
+) -> tuple[list[TensorPiece], list[Piece]]:
+    """:func:`snapshot_tensor_pieces`, and the statistics' pieces of the counted tensors (which
+    the coverage check reads)."""
     request = Request.make([norm_type], zeros=True)
-    pieces = []
+    pieces, counted = [], []
     for rank_file in snapshot.files if files is None else files:
         coords = rank_file.header.coords
         places = {axis: coords[axis][0] for axis in _COORD_AXES if axis in coords}
@@ -125,6 +137,8 @@ def snapshot_tensor_pieces(
                 grad = param.grad
                 assert grad is not None
                 piece = tensor_piece(rank_file, param, grad, request, None)
+                if not reasons:
+                    counted.append(piece)
                 norm = piece.max_abs if norm_type == math.inf else piece.norms[0]
                 assert norm is not None
                 pieces.append(
@@ -143,20 +157,20 @@ def snapshot_tensor_pieces(
                         norm=norm,
                     )
                 )
-    return pieces
+    return pieces, counted
 
 
 def gather_tensor_pieces(
     snapshot: Snapshot | SnapshotShare, norm_type: float, processes: Processes
-) -> list[TensorPiece]:
-    """:func:`snapshot_tensor_pieces` of every rank file, each process reading its share
-    (rank files i, i+N, ...); every process gets them all, in rank-file order.
+) -> tuple[list[TensorPiece], list[Piece]]:
+    """:func:`_read_pieces` of every rank file, each process reading its share (rank files
+    i, i+N, ...); every process gets them all, in rank-file order.
 
     Raises:
         StoppedTogether: any process's error (the first, by process rank), on every process.
     """
     if processes.size == 1:
-        return snapshot_tensor_pieces(snapshot, norm_type)
+        return _read_pieces(snapshot, norm_type)
     from gradstat.distributed.runner import gather
 
     if isinstance(snapshot, SnapshotShare):
@@ -164,20 +178,22 @@ def gather_tensor_pieces(
     else:
         mine = processes.share(snapshot.files)
 
-    def compute(beat: Callable[[int], None]) -> list[dict[str, Any]]:
-        found = []
+    def compute(beat: Callable[[int], None]) -> tuple[list[dict[str, Any]], list[list[Any]]]:
+        found, counted = [], []
         for rank_file in mine:
-            found += [
-                piece.to_json()
-                for piece in snapshot_tensor_pieces(snapshot, norm_type, [rank_file])
-            ]
+            pieces, counted_here = _read_pieces(snapshot, norm_type, [rank_file])
+            found += [piece.to_json() for piece in pieces]
+            counted += counted_here
             beat(rank_file.size_bytes)
-        return found
+        return found, Piece.to_columns(counted)
 
-    pieces = [TensorPiece.from_json(data) for share in gather(processes, compute) for data in share]
+    shares = gather(processes, compute)
+    pieces = [TensorPiece.from_json(data) for found, _ in shares for data in found]
+    counted = [piece for _, columns in shares for piece in Piece.from_columns(columns)]
     # Stable: each file's tensors stay in their order, files come in rank order.
     pieces.sort(key=lambda piece: piece.rank)
-    return pieces
+    counted.sort(key=lambda piece: piece.rank)
+    return pieces, counted
 
 
 @dataclass(frozen=True)
@@ -263,10 +279,26 @@ def explain_snapshot(
     """
     measured = 2.0 if norm_type is None else norm_type
     if processes is None:
-        pieces = snapshot_tensor_pieces(snapshot, measured)
+        pieces, counted = _read_pieces(snapshot, measured)
     else:
-        pieces = gather_tensor_pieces(snapshot, measured, processes)
+        pieces, counted = gather_tensor_pieces(snapshot, measured, processes)
+    _check_coverage(snapshot.directory, counted, processes)
     return explain_pieces(snapshot_info(snapshot), pieces, logged, norm_type, rtol, hypotheses)
+
+
+def _check_coverage(where: Path, counted: Sequence[Piece], processes: Processes | None) -> None:
+    """Refuse a snapshot whose counted tensors hold elements twice, as ``norm`` refuses it: its
+    exact value would count them twice (see :mod:`gradstat.analysis.coverage`)."""
+    tally = coverage.Tally()
+    for piece in counted:
+        tally.add(piece)
+    miscounts = tally.miscounts()
+    if processes is None:
+        coverage.check(where, miscounts)
+    else:
+        from gradstat.distributed.runner import together
+
+        together(processes, lambda: coverage.check(where, miscounts))
 
 
 def explain_pieces(
