@@ -488,17 +488,15 @@ def _parse_coords(fields: _Fields) -> dict[str, tuple[int, int]]:
         unknown = sorted(fields.data.keys() - _AXIS_NAMES)
         raise fields.fail(f"unknown axis {unknown[0]!r} (axes: {', '.join(AXES)})")
     coords = {}
+    found = fields.data
     for axis in AXES:
-        place = fields.data.get(axis, _UNSPLIT)
-        if not (
-            type(place) is list
-            and len(place) == 2
-            and type(place[0]) is int
-            and type(place[1]) is int
-            and 0 <= place[0] < place[1]
-        ):
-            raise fields.fail(f"axis {axis!r} is {place!r}; expected [rank_on_axis, size]")
-        coords[axis] = (place[0], place[1])
+        place = found.get(axis, _UNSPLIT)
+        if type(place) is list and len(place) == 2:
+            rank, size = place
+            if type(rank) is int and type(size) is int and 0 <= rank < size:
+                coords[axis] = (rank, size)
+                continue
+        raise fields.fail(f"axis {axis!r} is {place!r}; expected [rank_on_axis, size]")
     return coords
 
 
