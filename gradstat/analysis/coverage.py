@@ -25,10 +25,11 @@ elements; a DTensor shard written twice, another not at all). Where every counte
 site says where it lies, its *box* (a fragment's range of the flattened parameter from its
 ``fragment_offset``; a DTensor shard's ``global_offset`` and shape in its global shape), the
 boxes tell: elements two of them hold are counted twice, those none holds are missing. Under a
-guessed extent each stage holds every element once, so elements held less often than others
-are missing, unless the surplus is a copy: two tensors at one box with alike statistics, not
-all zero, are counted twice. A site whose boxes cut its elements into more than
-``MOST_CELLS`` cells is judged by its totals alone.
+guessed extent the stages of one local name may lie in global shapes of their own, so only
+copies are told: two tensors at one box with alike statistics, not all zero, are counted
+twice. A DTensor that shards one dimension on two mesh dimensions has no box (a
+``_StridedShard``'s rows are not one block from its offset), and a site whose boxes cut its
+elements into more than ``MOST_CELLS`` cells is judged by its totals alone.
 """
 
 from __future__ import annotations
@@ -128,7 +129,12 @@ def box(record: ParamRecord) -> Box | None:
     dtensor = record.dtensor
     if dtensor is not None:
         offset = dtensor.global_offset
-        return (offset, record.shape) if offset else None
+        # A dimension sharded on two mesh dimensions may be a _StridedShard's, whose rows are
+        # not one block from its offset (its code is S(d) too): no box.
+        sharded = [code for code in dtensor.placements if code.startswith("S")]
+        if not offset or len(set(sharded)) < len(sharded):
+            return None
+        return offset, record.shape
     start = record.attr("fragment_offset")  # the format checks it comes with fragment_shape
     return None if start is None else ((start,), record.shape)
 
@@ -238,31 +244,31 @@ def _placed(pieces: Sequence[Piece], extent: int, guessed: bool) -> tuple[bool, 
     """What a site's boxes tell that its totals do not: elements two tensors hold (under a
     guessed extent, elements held unevenly), as :meth:`_Held.verdict` gives it; None where
     they tell nothing more (no element held twice), or cut the site too finely."""
+    if guessed:
+        # Stages of one local name may lie in global shapes of their own (a [24] norm weight
+        # on one, a [6, 4] linear on another): their boxes are no one grid's. Two tensors at
+        # one box with alike statistics, not all zero, are copies of one all the same.
+        alike: dict[tuple[Box | None, tuple[Any, ...]], Piece] = {}
+        for piece in pieces:
+            signature = _signature(piece)
+            first = alike.setdefault((piece.box, signature), piece)
+            if first is not piece and _something(signature):
+                return True, (
+                    f"{_both(first, piece)}, copies of one tensor (their statistics alike): "
+                    "the copies are counted twice"
+                )
+        return None
     places = [piece.box for piece in pieces if piece.box is not None]
     if _disjoint(places):
         return None
     grid = _Grid.of(places)
     if grid is None or grid.most < 2:
         return None
-    if not guessed:
-        first, second = grid.sharing(places, pieces)
-        twice = f"{_both(first, second)}: {_are(grid.held - grid.covered)} counted twice"
-        if grid.covered < extent:
-            twice += f", and {_are(extent - grid.covered)} in no rank file"
-        return True, f"{twice} (fragments or shards that overlap)"
-    # Stages of one local name each hold every element once: as often as one another.
-    if grid.covered == extent and grid.fewest == grid.most:
-        return None
-    alike: dict[tuple[Box | None, tuple[Any, ...]], Piece] = {}
-    for piece in pieces:
-        signature = _signature(piece)
-        first = alike.setdefault((piece.box, signature), piece)
-        if first is not piece and _something(signature):
-            return True, (
-                f"{_both(first, piece)}, copies of one tensor (their statistics alike), while "
-                f"{grid.uneven(extent)}: the copies are counted twice"
-            )
-    return False, f"{grid.uneven(extent)}: some count nowhere (a shard missing)"
+    first, second = grid.sharing(places, pieces)
+    twice = f"{_both(first, second)}: {_are(grid.held - grid.covered)} counted twice"
+    if grid.covered < extent:
+        twice += f", and {_are(extent - grid.covered)} in no rank file"
+    return True, f"{twice} (fragments or shards that overlap)"
 
 
 def _disjoint(boxes: Sequence[Box]) -> bool:
@@ -347,11 +353,6 @@ class _Grid:
         """Elements the boxes hold, each as often as they hold it."""
         return sum(self.size(cell) * depth for cell, depth in self.depth.items())
 
-    @property
-    def fewest(self) -> int:
-        """The fewest boxes that hold one of the elements some box holds."""
-        return min(self.depth.values())
-
     def sharing(self, places: Sequence[Box], pieces: Sequence[Piece]) -> tuple[Piece, Piece]:
         """The first two pieces (at ``places``) that hold one element, in element order."""
         cell = min(cell for cell, depth in self.depth.items() if depth > 1)
@@ -359,16 +360,6 @@ class _Grid:
         held = zip(places, pieces, strict=True)
         first, second, *_ = (piece for place, piece in held if _inside(start, place))
         return first, second
-
-    def uneven(self, extent: int) -> str:
-        """Which elements are held less often than others, in words."""
-        if self.covered < extent:
-            return f"{extent - self.covered} of its elements are in no rank file"
-        cell = min(cell for cell, depth in self.depth.items() if depth == self.fewest)
-        return (
-            f"its elements {_region(self.place(cell))} are held by {self.fewest} and others by "
-            f"{self.most}"
-        )
 
 
 def _edges(boxes: Sequence[Box], dim: int) -> list[int]:
