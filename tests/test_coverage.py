@@ -322,6 +322,10 @@ def test_shards_named_by_hand_are_no_copies(tmp_path: Path) -> None:
     assert status == 0 and document is not None, stderr
     assert math.isclose(document["total_norm"], _TRUE_NORM, rel_tol=1e-12)
     assert document["warnings"] == [] and stderr == ""
+    # zeros too, whose counts alone (the rows' 12 elements, no zero) would look like copies
+    status, document, stderr = _gradstat("zeros", tmp_path, "--json")
+    assert status == 0 and document is not None, stderr
+    assert document["num_elements"] == 29 and document["warnings"] == [], document
 
 
 def _dtensor_file(folder: Path, rank: int, world: int, grad: torch.Tensor, place: int) -> None:

@@ -811,9 +811,11 @@ def zeros(
     per_expert = _by_expert(by)
     if sort not in ZEROS_ORDERS:
         raise GradstatError(f"--sort {sort!r} is not an order; use {', '.join(ZEROS_ORDERS)}")
+    # The L2 norms too, though the report shows none: the coverage check tells a replica's copy
+    # from another shard by its statistics, and zero counts alone do not tell them apart.
     snapshot, stats, prints = _statistics(
         snapshot_dir,
-        (),
+        (2.0,),
         True,
         device,
         timeout,
