@@ -73,6 +73,20 @@ def _fragments(ranges: tuple[tuple[int, int], ...]) -> Any:
     return params_of
 
 
+def _refusals(folder: Path, tmp_path: Path) -> list[str]:
+    """The one line with which each command that reads the statistics refuses ``folder``."""
+    lines = []
+    for command in ("norm", "zeros", "clip", "explain"):
+        extra = {
+            "clip": ("--max-norm", "1", "--out", tmp_path / "clipped"),
+            "explain": ("--logged", repr(_TRUE_NORM)),  # its exact value would count twice
+        }.get(command, ())
+        status, _, stderr = _gradstat(command, folder, *extra)
+        assert status == 2 and stderr.count("\n") == 1, (command, stderr)
+        lines.append(stderr.rstrip("\n"))
+    return lines
+
+
 def _gradstat(*args: Any, nproc: int | None = None) -> tuple[int, dict[str, Any] | None, str]:
     result = run_gradstat(*args, nproc=nproc)
     document = json.loads(result.stdout) if result.stdout.startswith("{") else None
@@ -99,16 +113,9 @@ def test_elements_counted_twice_are_refused_and_audited(tmp_path: Path, case: st
     assert status == 0 and document is not None, stderr
     assert math.isclose(document["total_norm"], _TRUE_NORM, rel_tol=1e-12)
     assert document["warnings"] == []
-    for command in ("norm", "zeros", "clip", "explain"):
-        extra = {
-            "clip": ("--max-norm", "1", "--out", tmp_path / "clipped"),
-            "explain": ("--logged", repr(_TRUE_NORM)),  # its exact value would count twice
-        }.get(command, ())
-        status, _, stderr = _gradstat(command, folder, *extra)
-        lines = stderr.splitlines()
-        assert status == 2 and len(lines) == 1, (command, stderr)
-        assert lines[0].startswith(f"gradstat: error: {folder}: parameter 'w' at TP 0: its")
-        assert f"hold {12 + twice} elements, {twice} more than its 12" in lines[0]
+    for line in _refusals(folder, tmp_path):
+        assert line.startswith(f"gradstat: error: {folder}: parameter 'w' at TP 0: its")
+        assert f"hold {12 + twice} elements, {twice} more than its 12" in line
     status, document, stderr = _gradstat("audit", folder, "--json")
     assert status == 1 and document is not None, stderr
     found = [(item["kind"], item["name"]) for item in document["findings"]]
@@ -151,18 +158,12 @@ def test_an_overlap_that_a_gap_hides_is_refused(tmp_path: Path) -> None:
     assert status == 0 and document is not None, stderr
     assert math.isclose(document["total_norm"], _TRUE_NORM, rel_tol=1e-12)
     assert document["warnings"] == []
-    for command in ("norm", "zeros", "clip", "explain"):
-        extra = {
-            "clip": ("--max-norm", "1", "--out", tmp_path / "clipped"),
-            "explain": ("--logged", repr(_TRUE_NORM)),  # its exact value would count twice
-        }.get(command, ())
-        status, _, stderr = _gradstat(command, folder, *extra)
-        assert status == 2 and stderr.count("\n") == 1, (command, stderr)
-        assert stderr.startswith(
+    for line in _refusals(folder, tmp_path):
+        assert line.startswith(
             f"gradstat: error: {folder}: parameter 'w' at TP 0: its counted tensors hold 12 "
             "elements of its 12, but ranks 0 and 2 both hold its elements [4:8]: 4 are counted "
             "twice, and 4 are in no rank file (fragments or shards that overlap); 1 more like it"
-        ), stderr
+        ), line
     status, document, stderr = _gradstat("audit", folder, "--json")
     assert status == 1 and document is not None, stderr
     found = [(item["kind"], item["name"]) for item in document["findings"]]
