@@ -172,6 +172,24 @@ def test_an_overlap_that_a_gap_hides_is_refused(tmp_path: Path) -> None:
     assert status == 2 and "counted twice" in stderr, stderr
 
 
+def _write_shard(
+    folder: Path,
+    rank: int,
+    world: int,
+    grad: torch.Tensor,
+    mesh: MeshPlacement,
+    coords: dict[str, tuple[int, int]] | None = None,
+) -> None:
+    """Rank ``rank``'s file holding ``grad`` as ``0.weight``'s DTensor shard at ``mesh``, on no
+    axis but dp (rank of ``world``) unless ``coords`` says otherwise."""
+    full = mesh.global_shape
+    record = ParamRecord("0.weight", True, tuple(grad.shape), "float32", full, {}, mesh)
+    places = {axis: (0, 1) for axis in AXES} | {"dp": (rank, world)} | (coords or {})
+    header = RankHeader(rank, world, None, places, False, "grad", (record,))
+    with open(folder / f"rank-{rank:05d}.safetensors", "wb") as file:
+        write_container(file, {METADATA_KEY: header.to_json()}, [("0.weight", grad)])
+
+
 def _stages_of(
     folder: Path, stages: list[list[tuple[torch.Tensor, int]]], placed: bool = False
 ) -> Path:
@@ -184,13 +202,8 @@ def _stages_of(
         parts, full = _W.shape[0] // grad.shape[0], tuple(_W.shape)
         at = (start // grad.shape[0],)
         mesh = MeshPlacement((parts,), at, ("S(0)",), full, ("dp_shard",), (start, 0))
-        record = ParamRecord("0.weight", True, tuple(grad.shape), "float32", full, {}, mesh)
-        coords = {axis: (0, 1) for axis in AXES} | {"dp": (rank, len(ranks))}
-        if placed:
-            coords |= {"pp": (stage, len(stages)), "dp": (index, len(stages[stage]))}
-        header = RankHeader(rank, len(ranks), None, coords, False, "grad", (record,))
-        with open(folder / f"rank-{rank:05d}.safetensors", "wb") as file:
-            write_container(file, {METADATA_KEY: header.to_json()}, [("0.weight", grad)])
+        own = {"pp": (stage, len(stages)), "dp": (index, len(stages[stage]))} if placed else None
+        _write_shard(folder, rank, len(ranks), grad, mesh, own)
     return folder
 
 
@@ -251,22 +264,11 @@ def test_pipeline_stages_cut_differently_are_no_copies(tmp_path: Path) -> None:
             at = rank % 2
             offset = (at * grad.shape[0], *(0 for _ in full[1:]))
             mesh = MeshPlacement((2,), (at,), ("S(0)",), full, ("dp_shard",), offset)
-            _dtensor_record_file(folder, rank, len(shards), grad.clone(), full, mesh)
+            _write_shard(folder, rank, len(shards), grad.clone(), mesh)
         status, document, stderr = _gradstat("norm", folder, "--json")
         assert status == 0 and document is not None, stderr
         assert math.isclose(document["total_norm"], float64_norm([_W, _W], 2.0), rel_tol=1e-12)
         assert document["warnings"] == [] and stderr == "", document["warnings"]
-
-
-def _dtensor_record_file(
-    folder: Path, rank: int, world: int, grad: torch.Tensor, full: tuple[int, ...], mesh: Any
-) -> None:
-    """Rank ``rank``'s file holding ``grad`` as ``0.weight``'s shard at ``mesh``."""
-    record = ParamRecord("0.weight", True, tuple(grad.shape), "float32", full, {}, mesh)
-    coords = {axis: (0, 1) for axis in AXES} | {"dp": (rank, world)}
-    header = RankHeader(rank, world, None, coords, False, "grad", (record,))
-    with open(folder / f"rank-{rank:05d}.safetensors", "wb") as file:
-        write_container(file, {METADATA_KEY: header.to_json()}, [("0.weight", grad)])
 
 
 def test_a_dimension_sharded_twice_is_judged_by_its_totals(tmp_path: Path) -> None:
@@ -282,7 +284,7 @@ def test_a_dimension_sharded_twice_is_judged_by_its_totals(tmp_path: Path) -> No
                 (2, 2), (i, j), ("S(0)", "S(0)"), tuple(_W.shape), ("dp", "tp"), (i * 2, 0)
             )
             grad = _W[row : row + 1].clone()
-            _dtensor_record_file(tmp_path, rank, 4, grad, tuple(_W.shape), mesh)
+            _write_shard(tmp_path, rank, 4, grad, mesh)
     status, document, stderr = _gradstat("norm", tmp_path, "--json")
     assert status == 0 and document is not None, stderr
     assert math.isclose(document["total_norm"], float64_norm([_W], 2.0), rel_tol=1e-12)
@@ -335,11 +337,7 @@ def _dtensor_file(folder: Path, rank: int, world: int, grad: torch.Tensor, place
     rows = grad.shape[0]
     full = (2 * rows, *grad.shape[1:])
     mesh = MeshPlacement((2,), (place,), ("S(0)",), full, ("dp_shard",), (place * rows, 0))
-    record = ParamRecord("0.weight", True, tuple(grad.shape), "float32", full, {}, mesh)
-    coords = {axis: (0, 1) for axis in AXES} | {"dp": (rank, world), "edp": (rank, world)}
-    header = RankHeader(rank, world, None, coords, False, "grad", (record,))
-    with open(folder / f"rank-{rank:05d}.safetensors", "wb") as file:
-        write_container(file, {METADATA_KEY: header.to_json()}, [("0.weight", grad)])
+    _write_shard(folder, rank, world, grad, mesh, {"edp": (rank, world)})
 
 
 def test_pipeline_stages_of_one_local_name_are_no_copies(tmp_path: Path) -> None:

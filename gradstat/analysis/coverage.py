@@ -213,7 +213,7 @@ class _Held:
         if self.pieces is not None and not self.in_order:
             placed = _placed(self.pieces, self.extent, self.guessed)
             if placed is not None:
-                return placed
+                return True, placed
         if self.held < self.extent:
             return False, ""
         return (True, "") if self.counted_twice() else None
@@ -240,10 +240,10 @@ def _signature(piece: Piece) -> tuple[Any, ...]:
     return piece.numel, piece.zeros, piece.max_abs, piece.norms
 
 
-def _placed(pieces: Sequence[Piece], extent: int, guessed: bool) -> tuple[bool, str] | None:
-    """What a site's boxes tell that its totals do not: elements two tensors hold (under a
-    guessed extent, elements held unevenly), as :meth:`_Held.verdict` gives it; None where
-    they tell nothing more (no element held twice), or cut the site too finely."""
+def _placed(pieces: Sequence[Piece], extent: int, guessed: bool) -> str | None:
+    """What a site's boxes tell that its totals do not, in words: elements two tensors hold
+    (under a guessed extent, two copies at one box); None where they tell nothing more (no
+    element held twice), or cut the site too finely."""
     if guessed:
         # Stages of one local name may lie in global shapes of their own (a [24] norm weight
         # on one, a [6, 4] linear on another): their boxes are no one grid's. Two tensors at
@@ -253,7 +253,7 @@ def _placed(pieces: Sequence[Piece], extent: int, guessed: bool) -> tuple[bool, 
             signature = _signature(piece)
             first = alike.setdefault((piece.box, signature), piece)
             if first is not piece and _something(signature):
-                return True, (
+                return (
                     f"{_both(first, piece)}, copies of one tensor (their statistics alike): "
                     "the copies are counted twice"
                 )
@@ -268,7 +268,7 @@ def _placed(pieces: Sequence[Piece], extent: int, guessed: bool) -> tuple[bool, 
     twice = f"{_both(first, second)}: {_are(grid.held - grid.covered)} counted twice"
     if grid.covered < extent:
         twice += f", and {_are(extent - grid.covered)} in no rank file"
-    return True, f"{twice} (fragments or shards that overlap)"
+    return f"{twice} (fragments or shards that overlap)"
 
 
 def _disjoint(boxes: Sequence[Box]) -> bool:
