@@ -16,13 +16,18 @@ output layer not a tensor of its own.
 
 from __future__ import annotations
 
+import json
 import math
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
+from typer.testing import CliRunner
+
+from gradstat.cli import app
 
 HIDDEN, FFN, VOCAB, EXPERT_FFN = 8, 16, 24, 6
 
@@ -215,3 +220,16 @@ class Model:
                 return None
             parts[-1] = f"{head}{expert % per_rank}"
         return ".".join(parts)
+
+
+def run_cli(*args: str | Path) -> tuple[int, Any, str]:
+    """A command in this process: its exit code, its JSON (else its text) and its stderr."""
+    result = CliRunner().invoke(app, [str(arg) for arg in args])
+    output = result.stdout
+    document = json.loads(output) if output.strip().startswith("{") else output
+    return result.exit_code, document, result.stderr
+
+
+def close(got: float, expected: float) -> bool:
+    """Within 1e-12 of ``expected``, relatively."""
+    return abs(got - expected) <= 1e-12 * max(abs(expected), 1e-300)

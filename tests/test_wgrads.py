@@ -11,15 +11,12 @@ import json
 import math
 import shutil
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from gradstat.cli import app
 from tests._cli import run_gradstat
-from tests._wgrads import Layout, Model
+from tests._wgrads import Layout, Model, close, run_cli
 
 LAYOUTS = {
     "tp2": Layout(tp=2),
@@ -36,21 +33,10 @@ LAYOUTS = {
 }
 
 
-def _gradstat(*args: str | Path) -> tuple[int, Any, str]:
-    result = CliRunner().invoke(app, [str(arg) for arg in args])
-    output = result.stdout
-    document = json.loads(output) if output.strip().startswith("{") else output
-    return result.exit_code, document, result.stderr
-
-
 def _dump(tmp_path: Path, layout: Layout, iteration: int = 100, seed: int = 0) -> Path:
     folder = tmp_path / "wgrads" / f"iter_{iteration:07d}"
     Model.make(layout, seed).write(folder)
     return folder
-
-
-def _close(got: float, expected: float) -> bool:
-    return abs(got - expected) <= 1e-12 * max(abs(expected), 1e-300)
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
@@ -59,27 +45,27 @@ def test_norms_and_zeros_are_the_logical_gradients(name: str, tmp_path: Path) ->
     model = Model.make(layout)
     folder = _dump(tmp_path, layout)
     for p, flag in ((2.0, "2"), (1.0, "1"), (math.inf, "inf")):
-        status, document, stderr = _gradstat("norm", folder, "-p", flag, "--json")
+        status, document, stderr = run_cli("norm", folder, "-p", flag, "--json")
         assert status == 0, stderr
-        assert _close(document["total_norm"], model.norm(p)), (p, document["total_norm"])
+        assert close(document["total_norm"], model.norm(p)), (p, document["total_norm"])
         assert document["snapshot"]["step"] == 100
         assert document["snapshot"]["source"] == "megatron-wgrads"
-    status, document, _ = _gradstat("norm", folder, "--json")
+    status, document, _ = run_cli("norm", folder, "--json")
     expected = model.param_norms()
     got = {row["name"]: row["norm"] for row in document["params"]}
     assert got.keys() == expected.keys()  # global names, each logical tensor once
-    assert all(_close(got[param], expected[param]) for param in expected)
-    status, document, stderr = _gradstat("zeros", folder, "--json")
+    assert all(close(got[param], expected[param]) for param in expected)
+    status, document, stderr = run_cli("zeros", folder, "--json")
     assert status == 0, stderr
     assert document["num_zeros"] == model.zeros
     assert document["num_elements"] == sum(t.grad.numel() for t in model.tensors.values())
-    status, document, stderr = _gradstat("audit", folder, "--json")
+    status, document, stderr = run_cli("audit", folder, "--json")
     assert status == 0, (stderr, document)
 
 
 def test_inspect_says_why_and_from_where(tmp_path: Path) -> None:
     folder = _dump(tmp_path, Layout(tp=2, pp=2, ep=2, experts=4))
-    status, document, stderr = _gradstat("inspect", folder, "--json")
+    status, document, stderr = run_cli("inspect", folder, "--json")
     assert status == 0, stderr
     rows = {row["name"]: row for row in document["params"]}
     fc1 = rows["decoder.layers.3.mlp.experts.local_experts.3.linear_fc1.weight"]
@@ -96,7 +82,7 @@ def test_inspect_says_why_and_from_where(tmp_path: Path) -> None:
     assert len(norm["sources"]) == 4  # 2 TP x 2 EP files of stage 0: one counted
     output = rows["output_layer.weight"]
     assert output["shared"] and "tied copy" in output["rule"]
-    status, text, _ = _gradstat("inspect", folder)
+    status, text, _ = run_cli("inspect", folder)
     assert status == 0 and "Megatron wgrads dump" in text and "name rule" in text
 
 
@@ -104,16 +90,16 @@ def test_untied_output_counts_and_the_option_overrules(tmp_path: Path) -> None:
     model = Model.make(Layout(pp=2, tied=False))
     folder = tmp_path / "iter_0000007"
     model.write(folder)
-    _, document, _ = _gradstat("inspect", folder, "--json")
+    _, document, _ = run_cli("inspect", folder, "--json")
     output = {row["name"]: row for row in document["params"]}["output_layer.weight"]
     assert not output["shared"] and "untied" in output["rule"]
     # Said tied, the output layer is taken for the embedding's copy and left out.
-    _, document, _ = _gradstat("norm", folder, "--json", "--tied-output", "yes")
+    _, document, _ = run_cli("norm", folder, "--json", "--tied-output", "yes")
     without = {n: t for n, t in model.tensors.items() if n != "output_layer.weight"}
     expected = math.sqrt(sum(float((t.grad.double() ** 2).sum()) for t in without.values()))
-    assert _close(document["total_norm"], expected)
+    assert close(document["total_norm"], expected)
     # ... and audit says the copies differ.
-    status, document, _ = _gradstat("audit", folder, "--json", "--tied-output", "yes")
+    status, document, _ = run_cli("audit", folder, "--json", "--tied-output", "yes")
     assert status == 1
     assert any(f["kind"] == "tied_copies_differ" for f in document["findings"])
 
@@ -124,18 +110,18 @@ def test_a_name_no_rule_knows_is_refused_until_stated(tmp_path: Path) -> None:
         chunks = torch.load(path)
         chunks["model_chunk0"]["decoder.layers.0.my_adapter.weight"] = torch.ones(4, 8)
         torch.save(chunks, path)
-    status, _, stderr = _gradstat("norm", folder)
+    status, _, stderr = run_cli("norm", folder)
     assert status == 2
     assert "'decoder.layers.0.my_adapter.weight'" in stderr
     assert "--tp-sharded" in stderr and "--tp-replicated" in stderr
     assert stderr.count("\n") == 1
     model = Model.make(Layout(tp=2))
     base = sum(float((t.grad.double() ** 2).sum()) for t in model.tensors.values())
-    _, replicated, _ = _gradstat("norm", folder, "--json", "--tp-replicated", "*.my_adapter.*")
-    assert _close(replicated["total_norm"], math.sqrt(base + 32))
-    _, sharded, _ = _gradstat("norm", folder, "--json", "--tp-sharded", "*.my_adapter.weight=0")
-    assert _close(sharded["total_norm"], math.sqrt(base + 64))
-    status, _, stderr = _gradstat("norm", folder, "--tp-sharded", "*.my_adapter.weight")
+    _, replicated, _ = run_cli("norm", folder, "--json", "--tp-replicated", "*.my_adapter.*")
+    assert close(replicated["total_norm"], math.sqrt(base + 32))
+    _, sharded, _ = run_cli("norm", folder, "--json", "--tp-sharded", "*.my_adapter.weight=0")
+    assert close(sharded["total_norm"], math.sqrt(base + 64))
+    status, _, stderr = run_cli("norm", folder, "--tp-sharded", "*.my_adapter.weight")
     assert status == 2 and "PATTERN=DIM" in stderr
 
 
@@ -197,7 +183,7 @@ def test_what_cannot_be_placed_is_refused(case: str, message: str, tmp_path: Pat
         )
     before = {path.name: path.read_bytes() for path in folder.iterdir()}
     for command in ("norm", "zeros", "audit", "inspect"):
-        status, _, stderr = _gradstat(command, folder)
+        status, _, stderr = run_cli(command, folder)
         assert status == 2, (command, stderr)
         assert message in stderr, stderr
         assert stderr.count("\n") == 1 and "Traceback" not in stderr
@@ -208,21 +194,21 @@ def test_a_last_stage_without_output_layer_or_final_norm_is_warned_of(tmp_path: 
     """PP=3 without stage 2 reads as PP=2: nothing in the names says otherwise, but stage 1
     holds neither the output layer nor the final norm that a GPT model's last stage holds."""
     folder = _dump(tmp_path, Layout(pp=3))
-    status, _, stderr = _gradstat("norm", folder)
+    status, _, stderr = run_cli("norm", folder)
     assert status == 0 and "warning" not in stderr, stderr
     (folder / "mp_rank_00_002.pth").unlink()
-    status, _, stderr = _gradstat("norm", folder)
+    status, _, stderr = run_cli("norm", folder)
     assert status == 0
     assert "the last pipeline stage found (1) holds neither output_layer.weight" in stderr
 
 
 def test_gtp_and_a_wrong_expert_tp_are_refused(tmp_path: Path) -> None:
     folder = _dump(tmp_path, Layout(tp=2, ep=4, etp=1, experts=8))
-    status, _, stderr = _gradstat("norm", folder, "--gtp", "2")
+    status, _, stderr = run_cli("norm", folder, "--gtp", "2")
     assert status == 2 and "GTP" in stderr and "--gtp 2" in stderr
-    status, _, stderr = _gradstat("norm", folder, "--etp", "2")
+    status, _, stderr = run_cli("norm", folder, "--etp", "2")
     assert status == 2 and "--etp 2" in stderr
-    status, document, _ = _gradstat("inspect", folder, "--json", "--etp", "1")
+    status, document, _ = run_cli("inspect", folder, "--json", "--etp", "1")
     assert status == 0 and document["axes"]["etp"] == 1 and document["axes"]["ep"] == 4
 
 
@@ -238,7 +224,7 @@ def test_audit_finds_copies_that_differ(tmp_path: Path) -> None:
     dense = "decoder.layers.0.self_attention.linear_proj.weight"
     chunks["model_chunk0"][dense] = chunks["model_chunk0"][dense] * 2
     torch.save(chunks, path)
-    status, document, _ = _gradstat("audit", folder, "--json")
+    status, document, _ = run_cli("audit", folder, "--json")
     assert status == 1
     kinds = {(finding["kind"], finding["name"]) for finding in document["findings"]}
     assert ("tp_replicas_differ", name) in kinds, kinds
@@ -248,10 +234,10 @@ def test_audit_finds_copies_that_differ(tmp_path: Path) -> None:
 def test_compare_two_layouts_of_one_model(tmp_path: Path) -> None:
     one = _dump(tmp_path / "a", Layout(tp=2, pp=2, vpp=2, layers=(3, 1, 2, 1)))
     other = _dump(tmp_path / "b", Layout(pp=1, layers=(7,)))
-    status, document, stderr = _gradstat("compare", one, other, "--json")
+    status, document, stderr = run_cli("compare", one, other, "--json")
     assert status == 0, (stderr, document)
     changed = _dump(tmp_path / "c", Layout(pp=1, layers=(7,)), seed=1)
-    status, document, _ = _gradstat("compare", one, changed, "--json")
+    status, document, _ = run_cli("compare", one, changed, "--json")
     assert status == 1
 
 
@@ -261,12 +247,12 @@ def test_clip_writes_a_dump_of_the_same_layout(tmp_path: Path) -> None:
     folder = _dump(tmp_path, layout)
     out = tmp_path / "clipped" / "iter_0000100"
     total = model.norm(2.0)
-    status, _, stderr = _gradstat(
+    status, _, stderr = run_cli(
         "clip", folder, "--max-norm", str(total / 4), "--out", out, "--json"
     )
     assert status == 0, stderr
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in folder.iterdir())
-    _, clipped, _ = _gradstat("norm", out, "--json")
+    _, clipped, _ = run_cli("norm", out, "--json")
     assert abs(clipped["total_norm"] - total / 4) <= 1e-6 * total
     original = torch.load(folder / "mp_rank_01_001.pth")
     scaled = torch.load(out / "mp_rank_01_001.pth")
@@ -279,14 +265,14 @@ def test_history_over_the_wgrads_folder(tmp_path: Path) -> None:
     layout = Layout(tp=2)
     for iteration, seed in ((100, 0), (200, 0), (300, 5)):
         _dump(tmp_path, layout, iteration, seed)
-    status, document, stderr = _gradstat("history", tmp_path / "wgrads", "--json")
+    status, document, stderr = run_cli("history", tmp_path / "wgrads", "--json")
     assert status == 0, stderr
     assert [entry["step"] for entry in document["snapshots"]] == [100, 200, 300]
     expected = [Model.make(layout, seed).norm(2.0) for seed in (0, 0, 5)]
     assert all(
-        _close(e["total_norm"], x) for e, x in zip(document["snapshots"], expected, strict=True)
+        close(e["total_norm"], x) for e, x in zip(document["snapshots"], expected, strict=True)
     )
-    status, _, stderr = _gradstat("norm", tmp_path / "wgrads")
+    status, _, stderr = run_cli("norm", tmp_path / "wgrads")
     assert status == 2 and "history" in stderr
 
 
@@ -295,7 +281,7 @@ def test_a_whole_command_in_a_fresh_process(tmp_path: Path) -> None:
     folder = _dump(tmp_path, layout)
     result = run_gradstat("norm", folder, "--json")
     assert result.returncode == 0, result.stderr
-    assert _close(json.loads(result.stdout)["total_norm"], Model.make(layout).norm(2.0))
+    assert close(json.loads(result.stdout)["total_norm"], Model.make(layout).norm(2.0))
 
 
 def test_a_missing_last_tp_file_is_warned_of(tmp_path: Path) -> None:
@@ -308,12 +294,12 @@ def test_a_missing_last_tp_file_is_warned_of(tmp_path: Path) -> None:
     assert "TP 2 if the attention is as wide as the hidden size" in warning[0]
     # A JSON document carries it too: a script reading stdout alone saw a calm total, exit 0.
     for command in ("norm", "zeros", "audit", "inspect"):
-        status, document, _ = _gradstat(command, folder, "--json")
+        status, document, _ = run_cli(command, folder, "--json")
         assert status == 0, command
         assert document["warnings"] == [warning[0].removeprefix("gradstat: warning: ")], command
     complete = _dump(tmp_path / "complete", Layout(tp=2))
     assert run_gradstat("norm", complete).stderr == ""
-    assert _gradstat("norm", complete, "--json")[1]["warnings"] == []
+    assert run_cli("norm", complete, "--json")[1]["warnings"] == []
 
 
 @pytest.mark.multiprocess
@@ -339,7 +325,7 @@ def test_multi_latent_attention_down_projections_by_their_shapes(tmp_path: Path)
         chunks = torch.load(path)
         chunks["model_chunk0"].update(added)
         torch.save(chunks, path)
-    _, document, _ = _gradstat("inspect", folder, "--json")
+    _, document, _ = run_cli("inspect", folder, "--json")
     rows = {row["name"]: row for row in document["params"]}
     q_down = rows["decoder.layers.0.self_attention.linear_q_down_proj.weight"]
     kv_down = rows["decoder.layers.0.self_attention.linear_kv_down_proj.weight"]
@@ -348,5 +334,5 @@ def test_multi_latent_attention_down_projections_by_their_shapes(tmp_path: Path)
     assert "column-parallel" in kv_down["rule"]
     model = Model.make(Layout(tp=2))
     base = sum(float((t.grad.double() ** 2).sum()) for t in model.tensors.values())
-    _, document, _ = _gradstat("norm", folder, "--json")
-    assert _close(document["total_norm"], math.sqrt(base + 48 + 2 * (24 + 40 + 32)))
+    _, document, _ = run_cli("norm", folder, "--json")
+    assert close(document["total_norm"], math.sqrt(base + 48 + 2 * (24 + 40 + 32)))

@@ -11,17 +11,12 @@ the expected numbers are float64 sums over the full, unsharded gradients.
 
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
-from typing import Any
 
 import pytest
-from typer.testing import CliRunner
 
 import tests._wgrads
-from gradstat.cli import app
-from tests._wgrads import Layout, Model
+from tests._wgrads import Layout, Model, close, run_cli
 
 # name: (layout, the expert FFN width, divisible by the expert TP size)
 OVER_TP = {
@@ -39,23 +34,6 @@ AT_MOST_TP = {
 }
 
 
-def _gradstat(*args: str | Path) -> tuple[int, Any, str]:
-    result = CliRunner().invoke(app, [str(arg) for arg in args])
-    output = result.stdout
-    document = json.loads(output) if output.strip().startswith("{") else output
-    return result.exit_code, document, result.stderr
-
-
-def _full_norm(model: Model) -> float:
-    """The L2 norm of every full gradient, each once, summed in float64."""
-    squares = sum(float((t.grad.double() ** 2).sum()) for t in model.tensors.values())
-    return math.sqrt(squares)
-
-
-def _close(got: float, expected: float) -> bool:
-    return abs(got - expected) <= 1e-12 * max(abs(expected), 1e-300)
-
-
 @pytest.mark.parametrize("name", sorted(OVER_TP))
 def test_a_stated_expert_tp_over_tp_is_refused_in_one_line(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -67,12 +45,12 @@ def test_a_stated_expert_tp_over_tp_is_refused_in_one_line(
     model.write(folder)
     # Unstated, nothing in the files tells it: they read as an ETP = TP job's, and the expert
     # shards the dump lost are missing from the total (what --etp is for).
-    status, document, stderr = _gradstat("norm", folder, "--json")
+    status, document, stderr = run_cli("norm", folder, "--json")
     assert status == 0, stderr
-    assert document["total_norm"] < 0.99 * _full_norm(model)
+    assert document["total_norm"] < 0.99 * model.norm(2.0)
     before = {path.name: path.read_bytes() for path in folder.iterdir()}
     for command in ("norm", "zeros", "audit", "inspect"):
-        status, _, stderr = _gradstat(command, folder, "--etp", str(layout.expert_tp))
+        status, _, stderr = run_cli(command, folder, "--etp", str(layout.expert_tp))
         assert status == 2, (command, stderr)
         assert stderr.count("\n") == 1 and "Traceback" not in stderr, stderr
         assert str(folder) in stderr
@@ -89,10 +67,10 @@ def test_an_expert_tp_at_most_tp_reads_the_full_gradients(name: str, tmp_path: P
     model = Model.make(layout)
     folder = tmp_path / "wgrads" / "iter_0000100"
     model.write(folder)
-    status, document, stderr = _gradstat("norm", folder, "--json", "--etp", str(layout.expert_tp))
+    status, document, stderr = run_cli("norm", folder, "--json", "--etp", str(layout.expert_tp))
     assert status == 0, stderr
-    assert _close(document["total_norm"], _full_norm(model)), document["total_norm"]
+    assert close(document["total_norm"], model.norm(2.0)), document["total_norm"]
     assert document["warnings"] == []
-    status, document, stderr = _gradstat("inspect", folder, "--json")
+    status, document, stderr = run_cli("inspect", folder, "--json")
     assert status == 0, stderr
     assert document["axes"]["etp"] == layout.expert_tp  # told by the files, unstated
