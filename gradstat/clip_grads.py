@@ -23,6 +23,7 @@ from gradstat.core import copies, kernels, replicas
 from gradstat.core.copies import CopyGroup
 from gradstat.core.footprint import Footprint, footprint, overlaps_itself, relation
 from gradstat.core.groups import (
+    HeldGroup,
     MeshShards,
     RankLike,
     all_reduce,
@@ -261,8 +262,9 @@ def _stat(
         mesh_groups = [bucket.mesh.get_group(mesh_dim=0) for bucket in meshes]
         device = stats_device(every, *mesh_groups, group)
         stat = compute(plain, device)
-        if plain_offset:
-            stat = stat + plain_offset
+        if plain_offset:  # to the statistic, not to a refusal's flag after it
+            stat = stat.clone()
+            stat.view(-1)[0] += plain_offset
         # With the default group (which covers every mesh) this is one all-reduce on every
         # rank, whatever its list holds; a smaller group needs the same meshes on every rank.
         later = group_ranks(group, default_world=True) if meshes else frozenset()
@@ -290,14 +292,7 @@ def _megatron_norm(
             return _stat(grads, compute, op, group)
         first.clear()
         flagged = _stat(grads, _with_refusal(compute, problem is not None), op, group)
-        if problem is not None:
-            raise problem
-        if float(flagged[-1]):
-            raise GradstatError(
-                "another rank refused its gradients (its error says why), so no norm was "
-                "computed; fix that rank's input"
-            )
-        return flagged[:-1]
+        return _unflagged(flagged, problem, "norm")
 
     return kernels.reduced_norm(p, reduce)
 
@@ -310,6 +305,19 @@ def _with_refusal(compute: kernels.StatCompute, refused: bool) -> kernels.StatCo
         return torch.cat([stat, stat.new_full((1,), float(refused))])  # a fill: no copy
 
     return flagged
+
+
+def _unflagged(flagged: Tensor, problem: GradstatError | None, what: str) -> Tensor:
+    """The statistic of a reduction made with :func:`_with_refusal`: ``problem`` raised where
+    this rank refused its input, an error where another did (every rank raises together)."""
+    if problem is not None:
+        raise problem
+    if float(flagged[-1]):
+        raise GradstatError(
+            f"another rank refused its gradients (its error says why), so no {what} was "
+            "computed; fix that rank's input"
+        )
+    return flagged[:-1]
 
 
 def get_grad_norm_fp32(
@@ -407,8 +415,8 @@ class GradNorm:
     ) -> None:
         items = _as_list(grads_for_norm)
         self.p = check_norm_type(norm_type)
-        self.group = grad_stats_parallel_group
-        check_stats_group(self.group, "GradNorm")
+        check_stats_group(grad_stats_parallel_group, "GradNorm")
+        self._group = HeldGroup(grad_stats_parallel_group, "GradNorm")
         kinds = {is_parameter(item) for item in items}
         if len(kinds) > 1:
             raise GradientInputError(
@@ -431,6 +439,12 @@ class GradNorm:
             _megatron_grads(grads, "GradNorm")
         if self.p in (1, 2) and self._plannable(grads):
             self._capture(grads)
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The stats group (None: the default group), held weakly (see ``HeldGroup``)."""
+        group: dist.ProcessGroup | None = self._group()
+        return group
 
     def _capture(self, grads: list[Tensor]) -> kernels.CudaPlan:
         """Capture the graph of ``grads`` (a plannable list); it remembers what it reads."""
@@ -1011,15 +1025,46 @@ def count_zeros_fp32(
         The count as a float holding an exact integer.
 
     Raises:
-        ValueError: Megatron-FSDP params mixed with DTensor gradients that need a DP reduction.
+        GradientInputError: a meta-device gradient, a gradient tensor given for a parameter,
+            or Megatron-FSDP params mixed with DTensor gradients that need a DP reduction (a
+            ValueError too).
         GradDtypeError: a gradient of an unsupported dtype.
-        GradientInputError: a meta-device gradient, or a gradient tensor given for a parameter.
         StatsGroupError: a stats group that does not contain this rank.
+        GradstatError: another rank of the group refused its input (plain gradients: every
+            rank raises together, and the next call is in step, as for
+            :func:`get_grad_norm_fp32`).
+    """
+    check_stats_group(grad_stats_parallel_group, "count_zeros_fp32")
+    groups = (tp_group, expert_tp_group, gtp_group, expert_gtp_group)
+    problem = None
+    try:
+        shards, offset = _zero_inputs(parameters, use_decoupled_grad, groups)
+    except GradstatError as error:
+        if not _distributed():
+            raise
+        # Still joins the reduction, which tells every rank of the group that one refused.
+        (shards, offset), problem = ([], 0), error
+    flagged = _stat(
+        shards,
+        _with_refusal(_zero_count, problem is not None),
+        dist.ReduceOp.SUM,
+        grad_stats_parallel_group,
+        plain_offset=offset,
+    )
+    return float(int(_unflagged(flagged, problem, "zero count")))
+
+
+def _zero_inputs(
+    parameters: _Params, use_decoupled_grad: bool, groups: tuple[RankLike | None, ...]
+) -> tuple[list[Tensor], int]:
+    """The gradients :func:`count_zeros_fp32` counts, and the zeros to add to their count (a
+    sparse gradient's implicit zeros) less those to take from it (GTP padding).
+
+    Raises:
+        GradstatError: what :func:`count_zeros_fp32` raises for its input.
     """
     what = "count_zeros_fp32"
-    check_stats_group(grad_stats_parallel_group, what)
     attr = "decoupled_grad" if use_decoupled_grad else "grad"
-    groups = (tp_group, expert_tp_group, gtp_group, expert_gtp_group)
     counted: list[Tensor] = []
     fsdp_shards: list[Tensor] = []
     pad_zeros = implicit_zeros = 0
@@ -1040,17 +1085,9 @@ def count_zeros_fp32(
             pad_zeros += _gtp_pad_zero_count(param, local)
             counted.append(values)
     if fsdp_shards and any(is_dtensor(grad) for grad in counted):
-        raise ValueError(
+        raise GradientInputError(
             "Megatron-FSDP params (__fsdp_param__) are mixed with DTensor gradients that need a "
             "data-parallel reduction; FSDP has already reduced its gradients over DP"
         )
-
     # Megatron-FSDP shards are counted as they are, like plain tensors; the padding too.
-    stats = _stat(
-        fsdp_shards + counted,
-        _zero_count,
-        dist.ReduceOp.SUM,
-        grad_stats_parallel_group,
-        plain_offset=implicit_zeros - pad_zeros,
-    )
-    return float(int(stats))
+    return fsdp_shards + counted, implicit_zeros - pad_zeros

@@ -129,6 +129,25 @@ def _refused_on_one_rank(rank: int, _world_size: int, _arg: Any) -> list[str]:
     return said
 
 
+def _zeros_refused_on_one_rank(rank: int, _world_size: int, _arg: Any) -> list[str]:
+    """Rank 1 passes count_zeros_fp32 an integer gradient, then a meta-device one, then both
+    good ones."""
+    from tests._params import param_with
+
+    said = []
+    bad = [
+        param_with(torch.tensor([0, 4])),
+        param_with(torch.zeros(2, device="meta")),
+    ]
+    for refused in bad:
+        try:
+            gradstat.count_zeros_fp32([refused if rank == 1 else param_with(torch.zeros(3))], None)
+        except gradstat.GradstatError as error:
+            said.append(str(error))
+    said.append(repr(gradstat.count_zeros_fp32([param_with(torch.tensor([0.0, 2.0, 0.0]))], None)))
+    return said
+
+
 def _replicate_copy_goes_bad(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     """A Replicate DTensor ``w`` (counted at mesh coordinate 0) beside a plain ``b``: rank 1's
     copy of ``w`` holds a NaN at step 2 and an Inf at step 3."""
@@ -178,6 +197,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Any:
     cases += [Case("listed twice", _listed_twice), Case("lengths differ", _lengths_differ)]
     cases += [Case("tp coords", _tp_coords_alone, str(root / "tp"))]
     cases += [Case("refused", _refused_on_one_rank)]
+    cases += [Case("zeros refused", _zeros_refused_on_one_rank)]
     cases += [Case("expert replicas", _expert_replicas, (str(root / "experts"), False))]
     cases += [Case("experts beside tp", _expert_replicas, (str(root / "experts-tp"), True))]
     cases += [Case("replicate copy", _replicate_copy_goes_bad, str(root / "replicate"))]
@@ -555,6 +575,20 @@ def test_a_rank_that_refuses_its_gradients_makes_every_rank_raise_and_stay_in_st
     assert "another rank refused" in said0 and "int64" in said1, (said0, said1)
     expected = repr(math.sqrt(2 * (6.0**2 + 8.0**2)))
     assert norm0 == norm1 == expected, (norm0, norm1)
+
+
+def test_a_rank_that_refuses_its_gradients_to_count_zeros_makes_every_rank_raise(
+    two_ranks: Any,
+) -> None:
+    """count_zeros_fp32 with an integer gradient, then a meta-device one, on rank 1: rank 1
+    raised alone and rank 0 waited in its all-reduce until gloo's timeout (30 minutes by
+    default). Both raise at once, and the next call (2 zeros a rank) is in step."""
+    _, report = two_ranks
+    (*said0, count0), (*said1, count1) = report.values("zeros refused")
+    assert len(said0) == len(said1) == 2, (said0, said1)
+    assert all("another rank refused" in line and "zero count" in line for line in said0)
+    assert "int64" in said1[0] and "meta" in said1[1], said1
+    assert count0 == count1 == repr(4.0), (count0, count1)
 
 
 def test_replicas_that_list_the_same_parameters_in_another_order_are_replicas(

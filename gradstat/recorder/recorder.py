@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from gradstat._collector import collector_paused
 from gradstat.clip_grads import check_norm_type
-from gradstat.core.groups import megatron_state
+from gradstat.core.groups import HeldGroup, megatron_state
 from gradstat.errors import ArgumentError, GradstatError
 from gradstat.recorder.agreement import Agreement
 from gradstat.recorder.arguments import (
@@ -212,7 +212,7 @@ class Recorder:
         self.grad_attr = self._gradients.grad_attr
         self.distributed_optimizer = self._gradients.distributed_optimizer
         self.directory = Path(directory)
-        self.group = group
+        self._group = HeldGroup(group, "Recorder")
         self.records: list[StepRecord] = []
         self.params: ParamsAtStep | None = None  # the latest per-parameter statistics
         self._triggers = Triggers(spike, window, warmup, listed, every, logged_rtol)
@@ -259,6 +259,12 @@ class Recorder:
                 "groups": list(groups),
             }
             self._log = LogWriter(self.directory, start)
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The group the norm is reduced over, as given; held weakly (see ``HeldGroup``)."""
+        group: dist.ProcessGroup | None = self._group()
+        return group
 
     @property
     def steps(self) -> frozenset[int]:
