@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -227,6 +228,23 @@ class ParamRecord:
     def attr(self, key: str) -> Any:
         return self.attrs.get(key, ATTRIBUTE_DEFAULTS[key])
 
+    def with_own(
+        self, name: str, attrs: dict[str, Any], dtensor: MeshPlacement | None
+    ) -> ParamRecord:
+        """This record with another name, attributes and placement: a template's record in a
+        list of values of its own (``gradstat.snapshot.repeats``). Made without the dataclass's
+        ``__init__`` (a frozen one sets each field through ``object.__setattr__``: 1.9 of this
+        record's 2.6 us); the values cached from its attributes and shapes are kept where the
+        attributes are these (they are pure functions of them)."""
+        twin = object.__new__(ParamRecord)
+        state = twin.__dict__
+        if attrs is self.attrs:
+            state.update(self.__dict__)
+        else:
+            state.update({key: self.__dict__[key] for key in _FIELDS})
+        state["name"], state["attrs"], state["dtensor"] = name, attrs, dtensor
+        return twin
+
     @cached
     def plain_attrs(self) -> dict[str, Any]:
         """The attributes a parameter rebuilt from this record carries: each of PLAIN_ATTRS,
@@ -254,6 +272,9 @@ class ParamRecord:
         size of 0 taken as 1: how far from torch's 64-bit limit its shards side by side are."""
         shapes = (self.shape, self.param_shape, self.attr("fragment_shape") or ())
         return max(math.prod(size or 1 for size in shape) for shape in shapes)
+
+
+_FIELDS = tuple(item.name for item in fields(ParamRecord))
 
 
 @dataclass(frozen=True)
@@ -616,8 +637,9 @@ def shard_inside(placement: MeshPlacement, shape: Sequence[int]) -> bool:
     offset, full = placement.global_offset, placement.global_shape
     if offset is None:
         return True
-    return len(shape) == len(full) and all(
-        o + n <= g for o, n, g in zip(offset, shape, full, strict=True)
+    # map(): 0.9 us for two dimensions, a generator over zip() 1.9 (once per shard read).
+    return len(shape) == len(full) == len(offset) and all(
+        map(operator.le, map(operator.add, offset, shape), full)
     )
 
 

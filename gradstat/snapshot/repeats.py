@@ -79,6 +79,7 @@ class _Template:
             ValueError: a number of more digits than Python converts.
         """
         records = list(self.records)
+        sizes: dict[str, tuple[int, ...]] = {}  # a list's shards share one coordinate
         for slot in self.slots:
             record = records[slot.record]
             name, attrs, placement = record.name, record.attrs, record.dtensor
@@ -89,33 +90,30 @@ class _Template:
                 if not fits_fragment(attrs, record.shape):
                     return None
             if placement is not None:
-                placement = _placed(placement, record.shape, slot, values)
+                placement = _placed(placement, record.shape, slot, values, sizes)
                 if placement is None:
                     return None
-            records[slot.record] = ParamRecord(
-                name,
-                record.has_grad,
-                record.shape,
-                record.dtype,
-                record.param_shape,
-                attrs,
-                placement,
-            )
+            records[slot.record] = record.with_own(name, attrs, placement)
         if self.named and len({record.name for record in records}) != len(records):
             return None
         return tuple(records)
 
 
 def _placed(
-    placement: MeshPlacement, shape: tuple[int, ...], slot: _Slot, values: list[str]
+    placement: MeshPlacement,
+    shape: tuple[int, ...],
+    slot: _Slot,
+    values: list[str],
+    sizes: dict[str, tuple[int, ...]],
 ) -> MeshPlacement | None:
     """A DTensor shard's placement with its own coordinate and offset; None where they do not
-    fit its mesh and its global shape."""
+    fit its mesh and its global shape. ``sizes``: the lists of integers read so far, by text."""
     coordinate, offset = placement.coordinate, placement.global_offset
     if slot.coordinate is not None:
-        coordinate = _sizes(values[slot.coordinate])
+        coordinate = _sizes(values[slot.coordinate], sizes)
     if slot.global_offset is not None:
-        offset = _sizes(values[slot.global_offset]) or None  # [] as none, as parsing reads it
+        # [] as none, as parsing reads it
+        offset = _sizes(values[slot.global_offset], sizes) or None
     placed = MeshPlacement(
         placement.mesh_shape,
         coordinate,
@@ -128,9 +126,15 @@ def _placed(
     return placed if on_its_mesh(placed) and shard_inside(placed, shape) else None
 
 
-def _sizes(text: str) -> tuple[int, ...]:
-    """The integers of a list's text as ``_OWN_VALUES`` matches it."""
-    return tuple(map(int, text[1:-1].split(","))) if len(text) > 2 else ()
+def _sizes(text: str, read: dict[str, tuple[int, ...]] | None = None) -> tuple[int, ...]:
+    """The integers of a list's text as ``_OWN_VALUES`` matches it; ``read``: those of the
+    texts read before (this one's added)."""
+    found = None if read is None else read.get(text)
+    if found is None:
+        found = tuple(map(int, text[1:-1].split(","))) if len(text) > 2 else ()
+        if read is not None:
+            read[text] = found
+    return found
 
 
 def _template_of(
