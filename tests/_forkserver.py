@@ -29,6 +29,7 @@ for its workers and a thread count: that is set as torch would have set it from 
 from __future__ import annotations
 
 import builtins
+import gc
 import importlib
 import io
 import json
@@ -49,11 +50,24 @@ for _module in (
     "torch.distributed.elastic.multiprocessing.errors",
     "safetensors.torch",
     "gradstat.cli.app",
+    # What the tests' torchrun workers import besides: DTensor and its meshes, FSDP2,
+    # distributed checkpoints, gradstat's snapshots and recorder (1 s a process on a small
+    # machine, a worker of DTensors' nearly all of its start).
+    "torch.distributed.tensor",
+    "torch.distributed.device_mesh",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+    "gradstat.snapshot",
+    "gradstat.recorder",
 ):
     importlib.import_module(_module)
 
 import torch  # noqa: E402 (imported above, named here)
 from _forkenv import differing, threads  # noqa: E402 (tests/, this script's)
+
+# What was imported is left out of every collection, the forked processes' too: a collection
+# (one at their exit) touched each object, and so copied the page it lies on from the server.
+gc.freeze()
 
 
 def _message(connection: socket.socket, document: dict[str, Any]) -> None:
