@@ -172,6 +172,8 @@ def test_a_list_of_a_known_template_reads_as_its_whole_parse(layout: str) -> Non
     # By text too where they differ in names alone (a file that repeats one reads it at once).
     assert len(known.by_text) == (8 if layout == "stages" else 0)
     (template,) = known.by_template.values()
+    for record in template.records:  # cached, so that a list filled from them carries them
+        _cached_values(record)
     rng = random.Random(SEED)
     filled = declined = 0
     for _ in range(4000):
@@ -189,10 +191,17 @@ def test_a_list_of_a_known_template_reads_as_its_whole_parse(layout: str) -> Non
         except (SnapshotError, ValueError):
             whole = None
         assert records == whole, text
+        if records is not None and whole is not None:
+            assert list(map(_cached_values, records)) == list(map(_cached_values, whole)), text
         filled += records is not None
         declined += records is None
     # A list of names alone declines only a name listed twice.
     assert filled > 100 and declined > (10 if layout == "stages" else 100), (filled, declined)
+
+
+def _cached_values(record: ParamRecord) -> tuple[Any, ...]:
+    """What a record caches, which a filled record may take over from its template's."""
+    return record.plain_attrs, record.is_expert, record.extent
 
 
 def _with(text: str, old: str, new: str) -> str:

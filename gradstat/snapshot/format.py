@@ -234,14 +234,13 @@ class ParamRecord:
         """This record with another name, attributes and placement: a template's record in a
         list of values of its own (``gradstat.snapshot.repeats``). Made without the dataclass's
         ``__init__`` (a frozen one sets each field through ``object.__setattr__``: 1.9 of this
-        record's 2.6 us); the values cached from its attributes and shapes are kept where the
-        attributes are these (they are pure functions of them)."""
+        record's 2.6 us); the values cached from its attributes and shapes alone
+        (``_CACHED_FROM_ATTRS``) are kept where the attributes are these."""
         twin = object.__new__(ParamRecord)
-        state = twin.__dict__
+        state, mine = twin.__dict__, self.__dict__
+        state.update({key: mine[key] for key in _FIELDS})
         if attrs is self.attrs:
-            state.update(self.__dict__)
-        else:
-            state.update({key: self.__dict__[key] for key in _FIELDS})
+            state.update({key: mine[key] for key in _CACHED_FROM_ATTRS if key in mine})
         state["name"], state["attrs"], state["dtensor"] = name, attrs, dtensor
         return twin
 
@@ -275,6 +274,8 @@ class ParamRecord:
 
 
 _FIELDS = tuple(item.name for item in fields(ParamRecord))
+# ParamRecord's cached values that are functions of its attributes and shapes alone.
+_CACHED_FROM_ATTRS = ("plain_attrs", "is_expert", "extent")
 
 
 @dataclass(frozen=True)
