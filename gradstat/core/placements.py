@@ -82,6 +82,17 @@ class MeshPlacement:
     global_offset: tuple[int, ...] | None = None
     copies: tuple[tuple[str, int, int], ...] = ()
 
+    def at(
+        self, coordinate: tuple[int, ...], global_offset: tuple[int, ...] | None
+    ) -> MeshPlacement:
+        """The shard of the same DTensor at ``coordinate`` and ``global_offset``: a copy of
+        this one's fields (0.8 us, where the frozen dataclass's ``__init__`` takes 1.8)."""
+        twin = object.__new__(MeshPlacement)
+        state = twin.__dict__
+        state.update(self.__dict__)
+        state["coordinate"], state["global_offset"] = coordinate, global_offset
+        return twin
+
     def dim_name(self, dim: int) -> str:
         return self.mesh_dim_names[dim] if self.mesh_dim_names else f"dim {dim}"
 

@@ -114,15 +114,7 @@ def _placed(
     if slot.global_offset is not None:
         # [] as none, as parsing reads it
         offset = _sizes(values[slot.global_offset], sizes) or None
-    placed = MeshPlacement(
-        placement.mesh_shape,
-        coordinate,
-        placement.placements,
-        placement.global_shape,
-        placement.mesh_dim_names,
-        offset,
-        placement.copies,
-    )
+    placed = placement.at(coordinate, offset)
     return placed if on_its_mesh(placed) and shard_inside(placed, shape) else None
 
 
