@@ -264,6 +264,43 @@ def test_records_after_a_damaged_start_record_are_left_out_not_given_another_att
     assert "start record" in lines[1]
 
 
+def test_a_first_record_whose_head_is_damaged_is_one_line_not_one_per_step(
+    tmp_path: Path,
+) -> None:
+    """A byte of the log's magic flipped: its kind unreadable, each of the 6 step records after
+    it was a line of its own ("a step record before any start record"): thousands on a long
+    run. One line names them all, and the refusal says how to read the snapshots alone."""
+    model = _model()
+    seen = _attempt(model, tmp_path, range(1, 7), snapshot_at=(2, 5))
+    log = tmp_path / LOG_NAME
+    data = bytearray(log.read_bytes())
+    data[2] ^= 0xFF
+    log.write_bytes(bytes(data))
+    done = run_gradstat("history", tmp_path)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    skipped, left_out, refused = done.stderr.splitlines()
+    assert "skipped" in skipped and "offset 0" in skipped, skipped
+    assert "left out 6 step records (steps 1 .. 6)" in left_out, left_out
+    assert "no start record" in refused and "--source snapshots" in refused, refused
+    alone = run_gradstat("history", tmp_path, "--source", "snapshots", "--json")
+    assert alone.returncode == 0, alone.stderr
+    totals = {entry["step"]: entry["total_norm"] for entry in json.loads(alone.stdout)["snapshots"]}
+    assert totals.keys() == {2, 5}
+    assert all(_close(totals[step], float64_norm(seen[step], 2)) for step in totals)
+
+
+def test_a_log_that_is_no_file_is_refused_not_read_as_absent(tmp_path: Path) -> None:
+    """A directory in the log's place: history read the snapshots alone, exit 0, the log's
+    steps lost without a word."""
+    _attempt(_model(), tmp_path, range(1, 4), snapshot_at=(2,))
+    log = tmp_path / LOG_NAME
+    log.unlink()
+    log.mkdir()
+    done = run_gradstat("history", tmp_path)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert done.stderr == f"gradstat: error: {log}: is a directory, not the telemetry log\n"
+
+
 # --- damage and the layout of the per-parameter statistics ------------------------------------
 
 

@@ -35,6 +35,7 @@ jump's step: the one that led comes first, not the biggest.
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -302,17 +303,27 @@ def read_history(
         SnapshotError: no log and no snapshots, no snapshot readable (the first named), two
             snapshots of the same step (but a step the flight recorder replayed: ``step-N``,
             then ``step-N.1``, ...), a log asked for and absent, a log with neither a step nor
-            a snapshot in the range.
+            a snapshot in the range, a log that is no regular file (not taken for none), a log
+            none of whose records can be read (with ``auto``, saying that ``--source
+            snapshots`` reads the snapshots alone).
     """
-    from gradstat.recorder.log import LOG_NAME
+    from gradstat.recorder.log import LOG_NAME, UnreadableLog
 
     if source not in SOURCES:
         raise ValueError(f"source must be one of {', '.join(SOURCES)}, got {source!r}")
     log = root / LOG_NAME
+    if os.path.lexists(log) and not log.is_file():  # not read as absent: its steps are lost
+        what = "a directory" if log.is_dir() else "not a regular file (a dangling link?)"
+        raise SnapshotError(f"{log}: is {what}, not the telemetry log")
     if source == "log" or (source == "auto" and log.is_file()):
         if not log.is_file():
             raise SnapshotError(f"{root}: no telemetry log ({LOG_NAME}) inside")
-        history = _from_log(root, log, norm_type, since, until, on_progress, report)
+        try:
+            history = _from_log(root, log, norm_type, since, until, on_progress, report)
+        except UnreadableLog as error:
+            if source == "log" or not any(root.glob("step-*")):
+                raise
+            raise SnapshotError(f"{error}; --source snapshots reads the snapshots alone") from error
     else:
         history = _from_snapshots(
             root, norm_type or 2.0, since, until, on_progress, _Problems(report), options

@@ -64,6 +64,7 @@ __all__ = [
     "LogWriter",
     "StartRecord",
     "StepRecordData",
+    "UnreadableLog",
     "read_log",
 ]
 
@@ -256,6 +257,11 @@ class StepRecordData:
     end_offset: int = 0  # where the record ends in the file
 
 
+class UnreadableLog(SnapshotError):
+    """A telemetry log none of whose records can be read: empty, unreadable, or without an
+    intact start record."""
+
+
 class _Damage:
     """Reports each run of unreadable bytes once, as one line."""
 
@@ -354,19 +360,21 @@ def read_log(
             recorded no step has one too).
 
     Raises:
-        SnapshotError: the file cannot be read, holds no start record of this format, or a
-            start record of a newer format version than :data:`FORMAT_VERSION`.
+        UnreadableLog: the file is empty, cannot be read, or holds no intact start record of
+            this format (damaged bytes where it would be: the step records after them are one
+            line, left out).
+        SnapshotError: a start record of a newer format version than :data:`FORMAT_VERSION`.
     """
     damage = _Damage(path, report)
     try:
         with open(path, "rb") as file:
             size = os.fstat(file.fileno()).st_size
             if size == 0:
-                raise SnapshotError(f"{path}: an empty telemetry log")
+                raise UnreadableLog(f"{path}: an empty telemetry log")
             with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
                 yield from _records(data, size, damage, path, on_start)
     except OSError as error:
-        raise SnapshotError(f"{path}: cannot read ({error.strerror or error})") from error
+        raise UnreadableLog(f"{path}: cannot read ({error.strerror or error})") from error
 
 
 class _Unattributed:
@@ -420,6 +428,8 @@ def _records(
                     f"the layout record naming them may be among the damaged bytes at "
                     f"offset {offset}"
                 )
+                if start is None:  # and so may the start record, none read before
+                    orphans.begin(_LOST_START.format(offset=offset))
             elif found.kind == _LAYOUT:
                 rows_lost.begin(f"the layout record naming them, at offset {offset}, is damaged")
             elif found.kind == _START:
@@ -471,7 +481,7 @@ def _records(
     orphans.end()
     rows_lost.end()
     if not started:
-        raise SnapshotError(f"{path}: no start record of a {FORMAT_NAME} log")
+        raise UnreadableLog(f"{path}: no start record of a {FORMAT_NAME} log")
 
 
 _LOST_START = (
