@@ -6,7 +6,6 @@ The same code runs on one rank or many. Outside an initialized process group a r
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import sys
 import weakref
@@ -56,7 +55,8 @@ class HeldGroup:
     object, the default group outlived that call and was destroyed while the interpreter shut
     down, which aborted a gloo job now and then ("terminate called without an active
     exception", 3 runs in 8 of a 3-rank job that passed ``group=dist.group.WORLD``; 0 in 10
-    once nothing held it). A group a weak reference cannot hold is held as it is.
+    once nothing held it). Anything else given for a group (a stand-in of the caller's, which
+    torch does not hold) is held as it is.
 
     Raises:
         StatsGroupError: on use, the group is destroyed (the object outlived the job's
@@ -67,9 +67,8 @@ class HeldGroup:
         self._owner = owner
         self._strong = group
         self._weak: weakref.ref[Any] | None = None
-        if group is not None:
-            with contextlib.suppress(TypeError):
-                self._weak, self._strong = weakref.ref(group), None
+        if dist.is_available() and isinstance(group, dist.ProcessGroup):
+            self._weak, self._strong = weakref.ref(group), None
 
     def __call__(self) -> Any:
         if self._weak is None:
