@@ -443,8 +443,7 @@ class GradNorm:
     @property
     def group(self) -> dist.ProcessGroup | None:
         """The stats group (None: the default group), held weakly (see ``HeldGroup``)."""
-        group: dist.ProcessGroup | None = self._group()
-        return group
+        return self._group()
 
     def _capture(self, grads: list[Tensor]) -> kernels.CudaPlan:
         """Capture the graph of ``grads`` (a plannable list); it remembers what it reads."""

@@ -63,14 +63,14 @@ class HeldGroup:
             process groups).
     """
 
-    def __init__(self, group: Any, owner: str) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, owner: str) -> None:
         self._owner = owner
         self._strong = group
-        self._weak: weakref.ref[Any] | None = None
+        self._weak: weakref.ref[dist.ProcessGroup] | None = None
         if dist.is_available() and isinstance(group, dist.ProcessGroup):
             self._weak, self._strong = weakref.ref(group), None
 
-    def __call__(self) -> Any:
+    def __call__(self) -> dist.ProcessGroup | None:
         if self._weak is None:
             return self._strong
         group = self._weak()

@@ -263,8 +263,7 @@ class Recorder:
     @property
     def group(self) -> dist.ProcessGroup | None:
         """The group the norm is reduced over, as given; held weakly (see ``HeldGroup``)."""
-        group: dist.ProcessGroup | None = self._group()
-        return group
+        return self._group()
 
     @property
     def steps(self) -> frozenset[int]:

@@ -79,7 +79,6 @@ class _Template:
             ValueError: a number of more digits than Python converts.
         """
         records = list(self.records)
-        sizes: dict[str, tuple[int, ...]] = {}  # a list's shards share one coordinate
         for slot in self.slots:
             record = records[slot.record]
             name, attrs, placement = record.name, record.attrs, record.dtensor
@@ -90,7 +89,7 @@ class _Template:
                 if not fits_fragment(attrs, record.shape):
                     return None
             if placement is not None:
-                placement = _placed(placement, record.shape, slot, values, sizes)
+                placement = _placed(placement, record.shape, slot, values)
                 if placement is None:
                     return None
             records[slot.record] = record.with_own(name, attrs, placement)
@@ -100,33 +99,22 @@ class _Template:
 
 
 def _placed(
-    placement: MeshPlacement,
-    shape: tuple[int, ...],
-    slot: _Slot,
-    values: list[str],
-    sizes: dict[str, tuple[int, ...]],
+    placement: MeshPlacement, shape: tuple[int, ...], slot: _Slot, values: list[str]
 ) -> MeshPlacement | None:
     """A DTensor shard's placement with its own coordinate and offset; None where they do not
-    fit its mesh and its global shape. ``sizes``: the lists of integers read so far, by text."""
+    fit its mesh and its global shape."""
     coordinate, offset = placement.coordinate, placement.global_offset
     if slot.coordinate is not None:
-        coordinate = _sizes(values[slot.coordinate], sizes)
+        coordinate = _sizes(values[slot.coordinate])
     if slot.global_offset is not None:
-        # [] as none, as parsing reads it
-        offset = _sizes(values[slot.global_offset], sizes) or None
+        offset = _sizes(values[slot.global_offset]) or None  # [] as none, as parsing reads it
     placed = placement.at(coordinate, offset)
     return placed if on_its_mesh(placed) and shard_inside(placed, shape) else None
 
 
-def _sizes(text: str, read: dict[str, tuple[int, ...]] | None = None) -> tuple[int, ...]:
-    """The integers of a list's text as ``_OWN_VALUES`` matches it; ``read``: those of the
-    texts read before (this one's added)."""
-    found = None if read is None else read.get(text)
-    if found is None:
-        found = tuple(map(int, text[1:-1].split(","))) if len(text) > 2 else ()
-        if read is not None:
-            read[text] = found
-    return found
+def _sizes(text: str) -> tuple[int, ...]:
+    """The integers of a list's text as ``_OWN_VALUES`` matches it."""
+    return tuple(map(int, text[1:-1].split(","))) if len(text) > 2 else ()
 
 
 def _template_of(
