@@ -299,6 +299,9 @@ def test_a_log_that_is_no_file_is_refused_not_read_as_absent(tmp_path: Path) -> 
     done = run_gradstat("history", tmp_path)
     assert done.returncode == 2 and done.stdout == "", done.stderr
     assert done.stderr == f"gradstat: error: {log}: is a directory, not the telemetry log\n"
+    alone = run_gradstat("history", tmp_path, "--source", "snapshots", "--json")
+    assert alone.returncode == 0, alone.stderr
+    assert [entry["step"] for entry in json.loads(alone.stdout)["snapshots"]] == [2]
 
 
 # --- damage and the layout of the per-parameter statistics ------------------------------------

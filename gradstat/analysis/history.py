@@ -312,7 +312,9 @@ def read_history(
     if source not in SOURCES:
         raise ValueError(f"source must be one of {', '.join(SOURCES)}, got {source!r}")
     log = root / LOG_NAME
-    if os.path.lexists(log) and not log.is_file():  # not read as absent: its steps are lost
+    if source != "snapshots" and os.path.lexists(log) and not log.is_file():
+        # Not read as no log (its steps would be lost without a word); asked for the
+        # snapshots alone, the log is not read at all.
         what = "a directory" if log.is_dir() else "not a regular file (a dangling link?)"
         raise SnapshotError(f"{log}: is {what}, not the telemetry log")
     if source == "log" or (source == "auto" and log.is_file()):
