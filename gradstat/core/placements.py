@@ -98,6 +98,8 @@ class MeshPlacement:
 
     def partial_dims(self) -> list[str]:
         """The mesh dimensions on which the gradient is Partial (pending a reduction)."""
+        if "P" not in self.placements:  # the common case, at the cost of a tuple's scan
+            return []
         return [self.dim_name(dim) for dim, code in enumerate(self.placements) if code == "P"]
 
     def is_replica(self, tensor_parallel: bool = False, *, across_root: bool = True) -> bool:
@@ -117,6 +119,8 @@ class MeshPlacement:
         """The dimensions along which other ranks hold copies of this shard, as ``(name, this
         rank's coordinate, size)``: its mesh's Replicate dimensions, then (``across_root``) the
         root's that hold copies (see :meth:`is_replica`); dimensions of size 1 hold none."""
+        if "R" not in self.placements and not (across_root and self.copies):
+            return []  # a shard that every rank holds its own of (FSDP2's): no copies
         found = [
             (self.dim_name(dim), index, size)
             for dim, (code, index, size) in enumerate(
