@@ -53,7 +53,7 @@ from gradstat.testing import spawn
 LOOPS = ("telemetry", "total", "clip", "bare")
 _HUGE = 1e30  # clip_grad_norm_'s max norm: the norm is computed, the gradients stay as they are
 _FRAME = struct.Struct("<4sBII")  # magic, kind, length, head CRC (log.py's frame head)
-_STEP_KIND = 3
+_STEP_KIND = 4  # version 3's step record, which names its attempt
 
 
 class _Block(nn.Module):
@@ -286,15 +286,15 @@ def _report(title: str, result: _Result) -> None:
 
 
 def _report_bytes(result: _Result) -> None:
-    # log.py: "A step record costs 17 + 36 = 53 bytes, and when it holds the per-parameter
+    # log.py: "A step record costs 17 + 44 = 61 bytes, and when it holds the per-parameter
     # statistics 4 bytes more and 16 per name" (no extras here: nothing non-finite, every
     # maximum an fp32 value, zero counts below 2**32). Held against the step head as packed.
-    head = 17 + struct.calcsize("<qd8sIiI")
+    head = 17 + struct.calcsize("<Qqd8sIiI")
     for loop, names in (("telemetry", result.names), ("total", 0)):
         records, size = result.log_bytes[loop]
         per_step = size / records
-        documented = 53 + (4 + 16 * names if names else 0)
-        formula = f"53 + 4 + 16 x {names}" if names else "53"
+        documented = 61 + (4 + 16 * names if names else 0)
+        formula = f"61 + 4 + 16 x {names}" if names else "61"
         match = "matches" if per_step == documented else "does NOT match"
         packed = head + (4 + 16 * names if names else 0)
         print(

@@ -264,6 +264,39 @@ def test_records_after_a_damaged_start_record_are_left_out_not_given_another_att
     assert "start record" in lines[1]
 
 
+@pytest.mark.parametrize("resumed_by", ["this gradstat", "a version 2 gradstat"])
+def test_steps_after_a_start_record_whose_head_is_damaged_are_not_taken_as_the_earlier_attempts(
+    tmp_path: Path, resumed_by: str
+) -> None:
+    """The second attempt's start record's magic flipped: the bytes may have held any record.
+    Format version 2's step records named no attempt, so attempt 2's max norms were read as
+    attempt 1's L2 norms (history: steps 1 .. 6 of the L2 norm, without a word of it). Each
+    step record now names its attempt: those of an attempt whose start was not read are left
+    out, one line; so are the unnamed ones of an older gradstat's resume after this one's."""
+    if resumed_by == "this gradstat":
+        first, _ = _two_norm_types(tmp_path)
+    else:
+        model = _model()
+        first = _attempt(model, tmp_path, range(1, 4))
+        with pytest.MonkeyPatch.context() as patched:
+            patched.setattr(log_module, "FORMAT_VERSION", 2)
+            _attempt(model, tmp_path, range(4, 7), norm_type=math.inf)
+    log = tmp_path / LOG_NAME
+    data = bytearray(log.read_bytes())
+    data[_frames(bytes(data), kind=1)[1]] ^= 0xFF  # its head unreadable: its kind unknown
+    log.write_bytes(bytes(data))
+    lines: list[str] = []
+    history = read_history(tmp_path, report=lines.append)
+    assert (history.norm_type, history.steps) == (2.0, [1, 2, 3])
+    for step, total in zip(history.steps, history.totals, strict=True):
+        assert _close(total, float64_norm(first[step], 2)), step
+    assert all(series.steps == [1, 2, 3] for series in history.params.values())
+    skipped, left_out = lines
+    assert "skipped" in skipped, skipped
+    assert "left out 3 step records (steps 4 .. 6)" in left_out, left_out
+    assert "start record" in left_out and "not read" in left_out, left_out
+
+
 def test_a_first_record_whose_head_is_damaged_is_one_line_not_one_per_step(
     tmp_path: Path,
 ) -> None:
@@ -377,7 +410,7 @@ def test_bytes_of_unknown_kind_leave_the_rows_after_them_unnamed(tmp_path: Path)
     _attempt(model, tmp_path, range(1, 5))
     log = tmp_path / LOG_NAME
     data = bytearray(log.read_bytes())
-    data[_frames(bytes(data), kind=3)[1]] ^= 0xFF  # step 2's magic
+    data[_frames(bytes(data), kind=4)[1]] ^= 0xFF  # step 2's magic
     log.write_bytes(bytes(data))
     _attempt(model, tmp_path, range(5, 7))
     lines: list[str] = []

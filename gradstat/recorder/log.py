@@ -13,17 +13,20 @@ Layout (little-endian)::
     start    = kind 1, JSON: format, version, attempt, time_ns, norm_type, world_size,
                every, groups
     layout   = kind 2, JSON: names, expert (one per name); numel (one per name, or null)
-    step     = kind 3: step:i64 norm:f64 logged:f64 triggers:u32 repeat:i32 count:u32
+    step     = kind 4: attempt:u64 then the fields of version 2's step record (kind 3):
+               step:i64 norm:f64 logged:f64 triggers:u32 repeat:i32 count:u32
                then, when count > 0 (count = the layout's names):
                norms:f64[count]  (-1: no gradient at this step)
                max_abs:f32[count] zeros:u32[count]
                extras:u32 then extras x (index:u32 zeros:u64 nan:u64 inf:u64 max_abs:f64)
 
-A step record costs 17 + 36 = 53 bytes, and when it holds the per-parameter statistics 4
+A step record costs 17 + 44 = 61 bytes, and when it holds the per-parameter statistics 4
 bytes more and 16 per name; an entry whose zero count, maximum (outside float32's exact
 values) or NaN/Inf counts do not fit there is repeated exactly in ``extras`` (36 bytes).
-``logged`` is the NaN of bits ``_NO_LOGGED`` when the job logged no norm (any other NaN is a
-NaN it logged; version 1 wrote a plain NaN for none); ``repeat`` is the snapshot's repeat index
+``attempt`` is the start record's attempt id (10 hex digits) as a number: version 3 added it,
+versions 1 and 2 wrote step records of kind 3, without it. ``logged`` is the NaN of bits
+``_NO_LOGGED`` when the job logged no norm (any other NaN is a NaN it logged; version 1 wrote
+a plain NaN for none); ``repeat`` is the snapshot's repeat index
 (``step-N.repeat``), -1 for none; ``triggers`` has bit i set for trigger i of
 :data:`~gradstat.recorder.triggers.TRIGGERS`. A start record of a version above
 ``FORMAT_VERSION`` (a newer gradstat's, perhaps one that resumed the run) stops the reader with
@@ -37,7 +40,10 @@ logged norm and triggers kept), one line for them all: read with the layout befo
 they would be put under another parameter's name. The writer writes the layout again after a
 failed write and each attempt starts with its own, so a torn record or a resume loses none.
 Likewise the step records after a damaged start record, up to the next intact one, are left
-out, one line: which attempt recorded them, with which norm type, is unknown.
+out, one line: which attempt recorded them, with which norm type, is unknown. Bytes whose head
+is unreadable may have held a start record too: a step record that names an attempt other than
+that of the start record read last is left out likewise (before version 3, whose step records
+name none, such steps were taken as the earlier attempt's, its norm type included).
 """
 
 from __future__ import annotations
@@ -70,14 +76,15 @@ __all__ = [
 
 LOG_NAME = "telemetry.gslog"
 FORMAT_NAME = "gradstat-telemetry"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 _MAGIC = b"GSTL"
 _HEAD = struct.Struct("<4sBI")  # magic, kind, length
 _CRC = struct.Struct("<I")
 _STEP = struct.Struct("<qd8sIiI")  # the logged norm as its 8 bytes (see _NO_LOGGED)
 _F64 = struct.Struct("<d")
 _EXTRA = struct.Struct("<IQQQd")
-_START, _LAYOUT, _STEP_KIND = 1, 2, 3
+_ATTEMPT = struct.Struct("<Q")
+_START, _LAYOUT, _STEP_KIND, _ATTEMPT_STEP = 1, 2, 3, 4
 _NO_GRADIENT = -1.0
 # The logged norm's bytes when the job logged none: a quiet NaN whose payload spells "none",
 # which no arithmetic produces; a logged NaN is written as math.nan.
@@ -158,6 +165,11 @@ class LogWriter:
         self._layout: bytes | None = None
         self._layout_written = False
         document = {"format": FORMAT_NAME, "version": FORMAT_VERSION, **start}
+        # The step records' kind and the bytes before their fields, as the version defines.
+        self._step_kind, self._step_head = _STEP_KIND, b""
+        if FORMAT_VERSION >= 3:
+            self._step_kind = _ATTEMPT_STEP
+            self._step_head = _ATTEMPT.pack(int(start["attempt"], 16))
         try:
             directory.mkdir(parents=True, exist_ok=True)
             flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
@@ -185,7 +197,7 @@ class LogWriter:
             if not self._layout_written:
                 self._lost += 1
                 return
-        if not self._append(_frame(_STEP_KIND, payload)):
+        if not self._append(_frame(self._step_kind, self._step_head + payload)):
             self._lost += 1
 
     def _append(self, frame: bytes) -> bool:
@@ -407,6 +419,7 @@ def _records(
     on_start: Callable[[StartRecord], None] | None,
 ) -> Iterator[tuple[StartRecord, StepRecordData]]:
     start: StartRecord | None = None
+    start_id: int | None = None  # its attempt id, as version 3's step records name it
     started = False  # an intact start record was read
     layout: dict[str, Any] | None = None
     rows_lost = _Unattributed(
@@ -442,6 +455,7 @@ def _records(
             if kind == _START:
                 start, layout = None, None
                 start = _parse_start(payload, path)
+                start_id = _attempt_id(start)
                 started = True
                 orphans.end()
                 rows_lost.end()
@@ -451,7 +465,14 @@ def _records(
                 layout = None
                 layout = _parse_layout(payload)
                 rows_lost.end()
-            elif kind == _STEP_KIND:
+            elif kind in (_STEP_KIND, _ATTEMPT_STEP):
+                if kind == _ATTEMPT_STEP:
+                    (attempt,) = _ATTEMPT.unpack_from(payload, 0)
+                    payload = payload[_ATTEMPT.size :]
+                    if start is not None and attempt != start_id:
+                        orphans.begin(_OTHER_ATTEMPT.format(attempt=attempt, own=start.attempt))
+                elif start is not None and start.version >= 3:  # which writes none of kind 3
+                    orphans.begin(_OLDER_STEP.format(version=start.version))
                 if start is None and orphans.reason is None:
                     raise ValueError("a step record before any start record")
                 count = _STEP.unpack_from(payload, 0)[5]
@@ -484,6 +505,15 @@ def _records(
         raise UnreadableLog(f"{path}: no start record of a {FORMAT_NAME} log")
 
 
+_OTHER_ATTEMPT = (
+    "they name attempt {attempt:010x}, not that of the start record before them ({own}): the "
+    "start record of theirs, with its norm type, was not read (damaged bytes may have held it)"
+)
+_OLDER_STEP = (
+    "they are of a version before 3, not that of the start record before them ({version}): "
+    "the start record of theirs, with its norm type, was not read (damaged bytes may have "
+    "held it)"
+)
 _LOST_START = (
     "the start record before them, at offset {offset}, is damaged: which attempt recorded "
     "them, with which norm type, is unknown"
@@ -503,6 +533,15 @@ def _parse_start(payload: bytes, path: Path) -> StartRecord:
         every=document["every"],
         groups=tuple(document["groups"]),
     )
+
+
+def _attempt_id(start: StartRecord) -> int | None:
+    """A start record's attempt id as its step records name it (None: not 10 hex digits, as
+    gradstat writes it: no step record names it)."""
+    text = start.attempt
+    if len(text) != 10 or text.strip("0123456789abcdef"):
+        return None
+    return int(text, 16)
 
 
 def _parse_layout(payload: bytes) -> dict[str, Any]:
