@@ -142,6 +142,11 @@ def _logged_run(run: Path, version: int, steps: range) -> None:
 def test_a_log_of_a_known_version_reads(tmp_path: Path, version: int) -> None:
     _logged_run(tmp_path, version, range(1, 4))
     assert read_history(tmp_path, report=lambda line: pytest.fail(line)).steps == [1, 2, 3]
+    # Resumed by this gradstat, whose step records name their attempt: both read, every row.
+    _logged_run(tmp_path, FORMAT_VERSION, range(4, 7))
+    history = read_history(tmp_path, report=lambda line: pytest.fail(line))
+    assert history.steps == [1, 2, 3, 4, 5, 6]
+    assert all(series.steps == history.steps for series in history.params.values())
 
 
 @pytest.mark.parametrize("resumed", [False, True])
