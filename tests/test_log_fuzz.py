@@ -29,14 +29,15 @@ SUITE_MUTANTS = 150
 # Attempts as (steps, norm type); each attempt resumes the run directory of the one before.
 ATTEMPTS = ((range(1, 9), 2.0), (range(5, 13), math.inf), (range(13, 17), 2.0))
 NAMES = ("weight", "bias")  # the parameters of _model(), in order
+ByStep = dict[int, list[float]]  # a step's values, one per attempt that recorded it
 
 
-def _recorded_run(run: Path) -> tuple[dict[float, dict[int, list[float]]], dict[str, dict]]:
+def _recorded_run(run: Path) -> tuple[dict[float, ByStep], dict[str, ByStep]]:
     """Write the run; return the float64 totals each norm type's attempts recorded at each step,
     and each parameter's L2 norms at each step (any attempt's)."""
     model = _model()
-    totals: dict[float, dict[int, list[float]]] = {2.0: {}, math.inf: {}}
-    rows: dict[str, dict[int, list[float]]] = {name: {} for name in NAMES}
+    totals: dict[float, ByStep] = {2.0: {}, math.inf: {}}
+    rows: dict[str, ByStep] = {name: {} for name in NAMES}
     for steps, norm_type in ATTEMPTS:
         for step, grads in _attempt(model, run, steps, norm_type=norm_type).items():
             totals[norm_type].setdefault(step, []).append(float64_norm(grads, norm_type))
@@ -68,7 +69,7 @@ def _is_one_of(value: float, expected: list[float] | None) -> bool:
     return expected is not None and any(math.isclose(value, e, rel_tol=1e-9) for e in expected)
 
 
-def _wrong_numbers(run: Path, totals: dict, rows: dict) -> list[str]:
+def _wrong_numbers(run: Path, totals: dict[float, ByStep], rows: dict[str, ByStep]) -> list[str]:
     """What a mutant's history gives that is not right, for each norm type it is read with."""
     wrong = []
     for asked in (None, 2.0, math.inf):
