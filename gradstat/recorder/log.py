@@ -505,14 +505,19 @@ def _records(
         raise UnreadableLog(f"{path}: no start record of a {FORMAT_NAME} log")
 
 
+# Step records of an attempt whose start record was not read: why they are not that of the
+# start record before them, then what that means.
+_UNREAD_START = (
+    ": the start record of theirs, with its norm type, was not read (damaged bytes may have "
+    "held it)"
+)
 _OTHER_ATTEMPT = (
-    "they name attempt {attempt:010x}, not that of the start record before them ({own}): the "
-    "start record of theirs, with its norm type, was not read (damaged bytes may have held it)"
+    "they name attempt {attempt:010x}, not that of the start record before them ({own})"
+    + _UNREAD_START
 )
 _OLDER_STEP = (
-    "they are of a version before 3, not that of the start record before them ({version}): "
-    "the start record of theirs, with its norm type, was not read (damaged bytes may have "
-    "held it)"
+    "they are of a version before 3, not that of the start record before them ({version})"
+    + _UNREAD_START
 )
 _LOST_START = (
     "the start record before them, at offset {offset}, is damaged: which attempt recorded "
