@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import Tensor
 
 from gradstat.core import native
 from tests._oracle import float64_norm, rel_err, zeros_in
@@ -315,3 +316,58 @@ def test_fused_passes_in_one_call_are_each_tensors_own() -> None:
                 stats.sum_squares == expected == 0.0
                 or rel_err(stats.sum_squares, expected) <= 1e-12
             )
+
+
+def _bf16_of_bits(bits: Tensor) -> Tensor:
+    return bits.to(torch.int16).view(torch.bfloat16)
+
+
+@needs_kernel
+def test_bf16_squares_of_every_kind_of_value_are_exact() -> None:
+    """The bf16 sum of squares, which on some CPUs makes its doubles from the bits: every finite
+    bf16 value (subnormals and both zeros among them) in a shuffled order, then chunks of
+    subnormals alone, one subnormal in one chunk of many, and infinities and NaNs. Each sum is
+    the fused pass's bits (its doubles come from conversions) at one and two threads, and the
+    correctly rounded float64 sum of the exact squares to 1e-12."""
+    every = torch.arange(1 << 16, dtype=torch.int32)
+    exponent = (every >> 7) & 0xFF
+    finite = _bf16_of_bits(every[exponent != 0xFF])
+    order = torch.randperm(finite.numel(), generator=torch.Generator().manual_seed(6))
+    subnormals = _bf16_of_bits(every[(exponent == 0) & (every & 0x7F != 0)])
+    gen = torch.Generator().manual_seed(8)
+    ordinary = (torch.randn(5 * CHUNK + 77, generator=gen) * 1e-4).bfloat16()
+    largest_subnormal = _bf16_of_bits(torch.tensor([0x807F]))  # negative
+    one_odd = ordinary.clone()
+    one_odd[3 * CHUNK + 40 : 3 * CHUNK + 41] = largest_subnormal
+    lone = torch.zeros(2 * CHUNK + 50, dtype=torch.bfloat16)
+    lone[CHUNK + 7 : CHUNK + 8] = largest_subnormal
+    cases = {
+        "every finite value": finite[order],
+        "subnormals alone": subnormals.repeat(CHUNK // subnormals.numel() * 3 + 1)[: 3 * CHUNK + 5],
+        "one subnormal among normals": one_odd,
+        "the largest subnormal among zeros": lone,
+    }
+    before = torch.get_num_threads()
+    try:
+        for what, grad in cases.items():
+            expected = math.fsum(float(value) ** 2 for value in grad.tolist())
+            assert expected > 0.0, what
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                stats = native.fused(grad)
+                found = native.power_sum(grad, 2)
+                assert stats is not None and found == stats.sum_squares, what
+                assert rel_err(found, expected) <= 1e-12, what
+    finally:
+        torch.set_num_threads(before)
+    for special, squared in ((math.inf, math.inf), (-math.inf, math.inf), (math.nan, math.nan)):
+        grad = ordinary.clone()
+        grad[2 * CHUNK + 9] = special
+        found = native.power_sum(grad, 2)
+        assert found is not None
+        assert math.isnan(found) if math.isnan(squared) else found == squared
+    for bits in (0x7FC1, 0xFF81, 0x7FBF):  # NaNs of either sign, quiet and signalling
+        grad = ordinary.clone()
+        grad[CHUNK + 3 : CHUNK + 4] = _bf16_of_bits(torch.tensor([bits], dtype=torch.int32))
+        found = native.power_sum(grad, 2)
+        assert found is not None and math.isnan(found)

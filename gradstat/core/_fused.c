@@ -254,11 +254,66 @@ DEFINE_FUSED(bf16, uint16_t, LOAD_BF16)
 #define SQUARE(v) ((double)(v) * (double)(v)) /* exact, as the fused pass's square of |v| */
 #define MAGNITUDE(v) ((double)fabsf(v))
 
-#define DEFINE_SUM(NAME, TYPE, LOAD, TERM)                                                      \
+/* The whole rows of a chunk summed into lanes[] by a faster way than the loop of DEFINE_SUM,
+ * lane k of a row into lanes[k] in the same order, so with the same bits: returns the number of
+ * elements summed, 0 where there is no faster way (lanes[] then untouched). */
+static inline int64_t no_faster_rows(const void *p, int64_t len, double *lanes) {
+    (void)p, (void)len, (void)lanes;
+    return 0;
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#include <immintrin.h>
+/* bf16 squares on a CPU with AVX2 and no AVX-512 make their doubles with integer operations.
+ * There the loop of DEFINE_SUM is bound by its float-to-double conversions (on this project's
+ * AMD EPYC, one thread: 4.7 G elements/s in cache, 4.6 from memory, where a bare read of the
+ * bytes ran at 6.9 from memory). A bf16 magnitude's 15 bits shifted to the top of a double's
+ * exponent and fraction, d, are |x| * 2^-896 exactly, a subnormal bf16 included; the same bits
+ * with 1792 added to the exponent, e, are |x| * 2^896 for every normal x, and d * e is x*x
+ * exactly: fma(d, e, lane) is the lane's sum with the bits of DEFINE_SUM's. A zero gives
+ * 0 * 2^769 = 0, an infinity and a NaN an e that is one (so an infinite or NaN square, as
+ * before). Only a subnormal's e is wrong: a chunk holding one is summed again by the loop.
+ * 6.7 G elements/s in cache, 6.3 from memory (measured on 2026-12-06). Where there is AVX-512
+ * the conversions are not the bound, and that loop stays. */
+static int64_t faster_rows_squares_bf16(const void *data, int64_t len, double *lanes) {
+    const uint16_t *p = data;
+    const __m256i magnitude = _mm256_set1_epi64x(0x7fff);
+    const __m256i rebias = _mm256_set1_epi64x((int64_t)1792 << 52);
+    const __m256i magnitude16 = _mm256_set1_epi16(0x7fff), one = _mm256_set1_epi16(1);
+    __m256i least = _mm256_set1_epi16(-1); /* the least magnitude's bits less one: a zero's wrap */
+    __m256d sums[8];
+    for (int j = 0; j < 8; j++) sums[j] = _mm256_setzero_pd();
+    int64_t i = 0;
+    for (; i + 32 <= len; i += 32) {
+        prefetch_row(p + i);
+        for (int half = 0; half < 2; half++) {
+            const __m256i words = _mm256_loadu_si256((const __m256i *)(p + i + 16 * half));
+            const __m256i less_one = _mm256_sub_epi16(_mm256_and_si256(words, magnitude16), one);
+            least = _mm256_min_epu16(least, less_one);
+        }
+        for (int j = 0; j < 8; j++) {
+            const __m128i four = _mm_loadl_epi64((const __m128i *)(p + i + 4 * j));
+            const __m256i wide = _mm256_cvtepu16_epi64(four);
+            const __m256i d = _mm256_slli_epi64(_mm256_and_si256(wide, magnitude), 45);
+            const __m256i e = _mm256_add_epi64(d, rebias);
+            sums[j] = _mm256_fmadd_pd(_mm256_castsi256_pd(d), _mm256_castsi256_pd(e), sums[j]);
+        }
+    }
+    /* A subnormal's magnitude is 1 .. 0x7f: less one, below 0x7f. */
+    const __m256i floor = _mm256_set1_epi16(0x7e);
+    if (_mm256_movemask_epi8(_mm256_cmpeq_epi16(_mm256_min_epu16(least, floor), least))) return 0;
+    for (int j = 0; j < 8; j++) _mm256_storeu_pd(lanes + 4 * j, sums[j]);
+    return i;
+}
+#else
+#define faster_rows_squares_bf16 no_faster_rows
+#endif
+
+#define DEFINE_SUM(NAME, TYPE, LOAD, TERM, ROWS)                                                \
     static double chunk_sum_##NAME(const TYPE *p, int64_t len) {                                \
         enum { LANES = ROW_BYTES / sizeof(TYPE) };                                              \
         double lanes[LANES] = {0};                                                              \
-        int64_t i = 0;                                                                          \
+        int64_t i = ROWS(p, len, lanes);                                                        \
         for (; i + LANES <= len; i += LANES) {                                                  \
             prefetch_row(p + i);                                                                \
             const TYPE *row = p + i;                                                            \
@@ -315,10 +370,10 @@ DEFINE_FUSED(bf16, uint16_t, LOAD_BF16)
         return gradstat_sum_many_##NAME(&x, &n, 1, threads, out);                               \
     }
 
-DEFINE_SUM(squares_f32, float, LOAD_F32, SQUARE)
-DEFINE_SUM(squares_bf16, uint16_t, LOAD_BF16, SQUARE)
-DEFINE_SUM(abs_f32, float, LOAD_F32, MAGNITUDE)
-DEFINE_SUM(abs_bf16, uint16_t, LOAD_BF16, MAGNITUDE)
+DEFINE_SUM(squares_f32, float, LOAD_F32, SQUARE, no_faster_rows)
+DEFINE_SUM(squares_bf16, uint16_t, LOAD_BF16, SQUARE, faster_rows_squares_bf16)
+DEFINE_SUM(abs_f32, float, LOAD_F32, MAGNITUDE, no_faster_rows)
+DEFINE_SUM(abs_bf16, uint16_t, LOAD_BF16, MAGNITUDE, no_faster_rows)
 
 /* The guard of mapped files (see gradstat/snapshot/container.py).
  *
