@@ -172,7 +172,7 @@ def readable_values(grad: Tensor, label: str) -> tuple[Tensor, int]:
 
 def _magnitudes(grad: Tensor, local: Tensor) -> Tensor:
     """|z| of a complex gradient's elements in float64 (a DTensor stays one, placed alike)."""
-    found = local.detach().to(torch.complex128).abs()
+    found = kernels.magnitudes(local)
     if local is grad:
         return found
     from torch.distributed.tensor import DTensor

@@ -67,7 +67,14 @@ from gradstat.analysis.stats import (
     nan_max,
     relative_to,
 )
-from gradstat.analysis.tiles import MappedFiles, Tile, box, chunks, snapshot_tiles
+from gradstat.analysis.tiles import (
+    MappedFiles,
+    Tile,
+    box,
+    snapshot_tiles,
+    squares,
+    wide_chunks,
+)
 from gradstat.distributed.runner import Processes, gather_jobs
 from gradstat.snapshot import RebuiltParam, Snapshot
 
@@ -121,18 +128,17 @@ class _Gap:
 
 def _measure(ref: Tensor, other: Tensor) -> _Gap:
     gap = _Gap(elements=ref.numel())
-    for block_ref, block_other in chunks(ref, other):
-        wide_ref, wide_other = block_ref.double(), block_other.double()
+    for wide_ref, wide_other in wide_chunks(ref, other):
         same = (wide_ref == wide_other) | (wide_ref.isnan() & wide_other.isnan())
         differing = int((~same).sum())
         if differing:
-            diff = (wide_ref - wide_other).abs_().masked_fill_(same, 0.0)
+            diff = (wide_ref - wide_other).abs().masked_fill_(same, 0.0)
             gap.differing += differing
             gap.max_abs_diff = nan_max((gap.max_abs_diff, float(diff.max())))
         for block in (wide_ref, wide_other):
             gap.scale = max(gap.scale, float(block.abs().nan_to_num_(0.0).max()))
-        gap.squares_ref += float(wide_ref.square().sum())
-        gap.squares_other += float(wide_other.square().sum())
+        gap.squares_ref += squares(wide_ref)
+        gap.squares_other += squares(wide_other)
     return gap
 
 
@@ -143,7 +149,7 @@ def _bits(tensor: Tensor) -> Tensor:
 
 
 def _squares(tensor: Tensor) -> float:
-    return sum(float(block.double().square().sum()) for (block,) in chunks(tensor))
+    return sum(squares(block) for (block,) in wide_chunks(tensor))
 
 
 def _overlap(ref: Tile, other: Tile, same_buffer: bool) -> tuple[slice, slice] | None:
@@ -384,8 +390,7 @@ def _padding(name: str, tiles: Sequence[Tile], files: MappedFiles) -> list[dict[
         if found:
             ranks.add(tile.rank)
             nonzero += found
-            wide = segment.double()
-            largest = nan_max((largest, float(wide.abs().max())))
+            largest = nan_max((largest, float(segment.abs().double().max())))
             squares += _squares(segment)
     if not ranks:
         return []

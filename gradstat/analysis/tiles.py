@@ -40,6 +40,8 @@ __all__ = [
     "plan",
     "segments",
     "snapshot_tiles",
+    "squares",
+    "wide_chunks",
 ]
 
 # The roles of the parallel axes for a parameter, in the order a tile's site lists them.
@@ -394,3 +396,16 @@ def chunks(*tensors: Tensor, size: int = 1 << 22) -> Iterator[tuple[Tensor, ...]
     total = tensors[0].numel()
     for start in range(0, total, size):
         yield tuple(tensor[start : start + size] for tensor in tensors)
+
+
+def wide_chunks(*tensors: Tensor, size: int = 1 << 22) -> Iterator[tuple[Tensor, ...]]:
+    """:func:`chunks` in float64, or in complex128 where any of the tensors is complex (a
+    difference or a magnitude keeps the imaginary parts; see :func:`squares`)."""
+    wide = torch.complex128 if any(tensor.is_complex() for tensor in tensors) else torch.float64
+    for blocks in chunks(*tensors, size=size):
+        yield tuple(block.to(wide) for block in blocks)
+
+
+def squares(block: Tensor) -> float:
+    """The sum of |x|^2 over a float64 or complex128 block."""
+    return float((block.abs() if block.is_complex() else block).square().sum())

@@ -49,6 +49,7 @@ __all__ = [
     "add_norms",
     "check_dtype",
     "combine_norms",
+    "magnitudes",
     "nonzero_count",
     "norm",
     "norm_partials",
@@ -755,6 +756,13 @@ def one_pass_serves(finite: Sequence[float], with_inf: bool, zeros: bool) -> boo
     return zeros or with_inf or 2.0 in finite or 1.0 in finite
 
 
+def magnitudes(grad: Tensor) -> Tensor:
+    """|z| of a complex tensor's elements in float64 (to float64's rounding), as PyTorch's norms
+    take a complex tensor: an element is zero when both its parts are, NaN when either is and
+    neither is infinite."""
+    return grad.detach().to(torch.complex128).abs()
+
+
 def tensor_stats(
     grad: Tensor,
     finite: Sequence[float],
@@ -770,8 +778,11 @@ def tensor_stats(
     one pass of the native kernel where it is built; its L2 norm is the root of the first sum,
     its L1 norm the second, as :func:`norm` would take them (which recomputes a sum out of the
     ordinary range). ``fused``: that pass, when the caller made it already
-    (:func:`native.fused_many_f32`).
+    (:func:`native.fused_many_f32`). A complex tensor's statistics are those of its
+    magnitudes (:func:`magnitudes`).
     """
+    if grad.is_complex():
+        grad, fused = magnitudes(grad), None
     if fused is None and one_pass_serves(finite, with_inf, zeros):
         fused = native.fused_f32(grad)
     if fused is not None:

@@ -318,6 +318,11 @@ def _stored(index: DcpIndex, torch_dist: bool) -> dict[str, list[_Stored]]:
     return found
 
 
+# The dtypes read from a checkpoint: a complex tensor there is a buffer (a RoPE table), not a
+# weight or a gradient.
+_READ = frozenset(dtype for dtype in DTYPE_NAMES if not dtype.is_complex)
+
+
 def _selected(
     index: DcpIndex, stored: dict[str, list[_Stored]], kinds: Mapping[str, KeyKind], kind: str
 ) -> dict[str, list[_Stored]]:
@@ -345,7 +350,7 @@ def _selected(
         else:
             assert held.param is not None
             name = held.param
-            if chunks[0].dtype not in DTYPE_NAMES:
+            if chunks[0].dtype not in _READ:
                 raise SnapshotError(
                     f"{index.directory}: tensor {key!r} ({kind}) is {chunks[0].dtype}; gradstat "
                     f"reads float32, bfloat16, float16 and float64"
@@ -376,7 +381,7 @@ def left_out(
         held = kinds[key].kind
         if kind not in ("all", held) or kind not in ("all", "weight"):
             continue
-        if chunks[0].dtype not in DTYPE_NAMES or (kind == "all" and held == "step"):
+        if chunks[0].dtype not in _READ or (kind == "all" and held == "step"):
             found.append(key)
     return tuple(found)
 

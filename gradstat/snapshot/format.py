@@ -61,6 +61,7 @@ DTYPES = {
     "bfloat16": (torch.bfloat16, "BF16"),
     "float16": (torch.float16, "F16"),
     "float64": (torch.float64, "F64"),
+    "complex64": (torch.complex64, "C64"),
 }
 DTYPE_NAMES = {torch_dtype: name for name, (torch_dtype, _) in DTYPES.items()}
 CODE_NAMES = {code: name for name, (_, code) in DTYPES.items()}

@@ -1,0 +1,127 @@
+"""Complex gradients (a complex64 parameter: a learned spectral filter, an SSM's complex state
+matrix) in snapshots: the flight recorder kept no snapshot of a job with one ("complex64 is not
+supported", the training going on without it), and a snapshot holding one could not be read.
+Their statistics are those of the elements' magnitudes |z|, as PyTorch's norms take a complex
+tensor; ``compare`` and ``audit`` compare them as complex numbers, imaginary parts included.
+
+The expected values are Python's own complex arithmetic: ``abs(z)`` in float64."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import gradstat
+from gradstat.recorder import complete_snapshots
+from gradstat.snapshot import save_rank
+from tests._cli import run_gradstat
+from tests._params import param_with
+
+
+class _Filter(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+        self.spectrum = torch.nn.Parameter(torch.zeros(6, dtype=torch.complex64))
+
+
+def _magnitudes(grads: list[torch.Tensor]) -> list[float]:
+    return [abs(complex(value)) for grad in grads for value in grad.reshape(-1).tolist()]
+
+
+def _norm(magnitudes: list[float], p: float) -> float:
+    if p == math.inf:
+        return max(magnitudes)
+    return math.fsum(m**p for m in magnitudes) ** (1.0 / p)
+
+
+def _json(*args: str | Path) -> dict:
+    done = run_gradstat(*args, "--json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    found: dict = json.loads(done.stdout)
+    return found
+
+
+def test_the_recorder_keeps_a_snapshot_of_a_complex_gradient(tmp_path: Path) -> None:
+    model = _Filter()
+    recorder = gradstat.Recorder(model, tmp_path / "run", spike=None, steps=[2])
+    gen = torch.Generator().manual_seed(3)
+    kept: list[torch.Tensor] = []
+    for step in (1, 2, 3):
+        for param in model.parameters():
+            param.grad = torch.randn(param.shape, dtype=param.dtype, generator=gen)
+        model.spectrum.grad[2] = 0  # type: ignore[index]
+        model.spectrum.grad[4] = complex(0.0, -2.5)  # type: ignore[index]
+        grads = [param.grad.clone() for param in model.parameters() if param.grad is not None]
+        if step == 2:
+            kept = grads
+        found = recorder.step(step)
+        assert math.isclose(found, _norm(_magnitudes(grads), 2.0), rel_tol=1e-12)
+    recorder.wait()
+    ((step, snapshot),) = complete_snapshots(tmp_path / "run")
+    assert step == 2
+    magnitudes = _magnitudes(kept)
+    for p in ("2", "1", "inf"):
+        report = _json("norm", snapshot, "-p", p)
+        expected = _norm(magnitudes, float(p))
+        assert math.isclose(report["total_norm"], expected, rel_tol=1e-12), (p, report)
+        assert report["recorded_norm_differs"] is False
+    assert _json("zeros", snapshot)["num_zeros"] == magnitudes.count(0.0) == 1
+    assert _json("audit", snapshot)["findings"] == []
+    clipped = tmp_path / "clipped"
+    before = {path.name: path.read_bytes() for path in snapshot.iterdir()}
+    done = run_gradstat("clip", snapshot, "--max-norm", "1", "--out", clipped)
+    assert done.returncode == 0, done.stderr
+    assert {path.name: path.read_bytes() for path in snapshot.iterdir()} == before
+    # Scaled in complex64: each element within fp32's rounding of its scaled value.
+    assert math.isclose(_json("norm", clipped)["total_norm"], 1.0, rel_tol=1e-6)
+
+
+def _replicas(folder: Path, second: torch.Tensor) -> None:
+    """Two DP ranks of one complex gradient: rank 0's the values below, rank 1's ``second``."""
+    for rank, grad in enumerate((_VALUES, second)):
+        param = param_with(grad.clone(), tensor_model_parallel=False)
+        save_rank(folder, [("spectrum", param)], rank=rank, world_size=2, coords={"dp": [rank, 2]})
+
+
+_VALUES = torch.tensor([3 + 4j, 0j, -1j, 0.5 - 0.25j], dtype=torch.complex64)
+
+
+@pytest.mark.parametrize("change", [complex(0.0, 0.5), complex(0.5, 0.0)])
+def test_compare_and_audit_see_a_difference_in_either_part(tmp_path: Path, change: complex) -> None:
+    """A difference in the imaginary part alone was a difference of zero to ``compare`` (its
+    float64 widening kept the real parts) and no finding to ``audit``."""
+    changed = _VALUES.clone()
+    changed[3] += change
+    _replicas(tmp_path / "same", _VALUES)
+    _replicas(tmp_path / "changed", changed)
+    magnitudes = _magnitudes([_VALUES])
+    assert math.isclose(_json("norm", tmp_path / "same")["total_norm"], _norm(magnitudes, 2.0))
+    # compare: the counted copy (rank 0's) of one snapshot against the other's.
+    _replicas(tmp_path / "first_changed", _VALUES)
+    save_rank(
+        tmp_path / "first_changed",
+        [("spectrum", param_with(changed.clone(), tensor_model_parallel=False))],
+        rank=0,
+        world_size=2,
+        coords={"dp": [0, 2]},
+        overwrite=True,
+    )
+    done = run_gradstat("compare", tmp_path / "same", tmp_path / "first_changed", "--json")
+    assert done.returncode == 1, done.stderr
+    (param,) = json.loads(done.stdout)["params"]
+    assert "values" in param["flags"], param
+    assert param["max_abs_diff"] == pytest.approx(abs(change), rel=1e-6)
+    # audit: the replicas of one snapshot disagree.
+    done = run_gradstat("audit", tmp_path / "changed", "--json")
+    assert done.returncode == 1, done.stderr
+    (finding,) = json.loads(done.stdout)["findings"]
+    assert (finding["kind"], finding["name"]) == ("dp_replicas_differ", "spectrum"), finding
+    assert finding["max_abs_diff"] == pytest.approx(abs(change), rel=1e-6)
+    miscounted = _norm(_magnitudes([changed]), 2.0)  # had rank 1's copy been counted
+    assert finding["norm_if_miscounted"] == pytest.approx(miscounted, rel=1e-12)
+    assert _json("audit", tmp_path / "same")["findings"] == []
