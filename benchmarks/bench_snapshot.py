@@ -151,14 +151,16 @@ def _run(side: str, directory: Path) -> dict[str, float]:
         command.append(str(directory))
         if side == "compare":
             command.append(str(directory))
-    start = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    _, status, usage = os.wait4(process.pid, 0)
-    seconds = time.perf_counter() - start
-    process.returncode = os.waitstatus_to_exitcode(status)
-    if process.returncode not in (0, 1):
-        said = process.stderr.read().decode() if process.stderr else ""
-        raise SystemExit(f"{' '.join(command)} failed: {said}")
+    # stderr to a file: a pipe nobody reads while the process runs would stop it once full.
+    with tempfile.TemporaryFile() as errors:
+        start = time.perf_counter()
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=errors, env=env)
+        _, status, usage = os.wait4(process.pid, 0)
+        seconds = time.perf_counter() - start
+        process.returncode = os.waitstatus_to_exitcode(status)
+        if process.returncode not in (0, 1):
+            errors.seek(0)
+            raise SystemExit(f"{' '.join(command)} failed: {errors.read().decode()}")
     return {"seconds": seconds, "peak_rss": usage.ru_maxrss * 1024.0}
 
 

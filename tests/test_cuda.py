@@ -97,12 +97,13 @@ def test_nccl_single_rank_reduction(tmp_path: Path) -> None:
     assert float(second) == 0.0
 
 
-def _cli_json(args: list[str], device: str) -> Any:
-    """The CLI's JSON document for ``args`` on ``device`` (it must exit 0)."""
+def _cli_json(args: list[str], device: str, status: int = 0) -> Any:
+    """The CLI's JSON document for ``args`` on ``device``, which must exit with ``status`` (1:
+    findings)."""
     import json
 
     result = run_gradstat(*args, "--json", "--device", device)
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == status, result.stderr
     return json.loads(result.stdout)
 
 
@@ -129,7 +130,8 @@ def test_compare_and_audit_on_cuda_find_what_cpu_finds() -> None:
     for command, inputs in runs.items():
         reports = {}
         for device in ("cpu", "cuda"):
-            reports[device] = _cli_json([command, *inputs], device)
+            # audit exits 1 for its finding, on either device.
+            reports[device] = _cli_json([command, *inputs], device, int(command == "audit"))
         cpu, cuda = reports["cpu"], reports["cuda"]
         if command == "compare":
             assert cuda["mismatches"] == cpu["mismatches"] == []
@@ -315,7 +317,8 @@ def test_a_gradient_viewed_anew_at_its_address_is_read_anew() -> None:
 
 def test_the_recorders_per_parameter_telemetry_on_cuda_equals_float64(tmp_path: Path) -> None:
     """The recorder on a CUDA model: each parameter's L2, max |x|, zeros and NaN count, and the
-    norm taken from them, against float64 of the gradients copied to the CPU."""
+    norm taken from them, against float64 of the gradients copied to the CPU (to the 1e-6
+    promised on CUDA: a tensor's sum of squares there is an fp32 partial)."""
     import gradstat
 
     torch.manual_seed(0)
@@ -340,8 +343,8 @@ def test_the_recorders_per_parameter_telemetry_on_cuda_equals_float64(tmp_path: 
             if math.isnan(expected):
                 assert math.isnan(got) and params.nan[index] == 1
             else:
-                assert rel_err(got, expected) <= 1e-9
+                assert rel_err(got, expected) <= 1e-6
                 assert params.max_abs[index] == float(grad.abs().max())
             assert params.zeros[index] == zeros_in([grad])
         total = float64_norm(list(grads.values()), 2)
-        assert math.isnan(norm) if math.isnan(total) else rel_err(norm, total) <= 1e-9
+        assert math.isnan(norm) if math.isnan(total) else rel_err(norm, total) <= 1e-6

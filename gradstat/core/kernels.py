@@ -344,11 +344,14 @@ class CudaPlan:
                     total += _foreach_power_sum(rest, p, device)
                 return _partials_of(total)
 
-            with torch.cuda.stream(side):
-                compute()  # warm-up: lazy initialisation and compilation outside the capture
-            torch.cuda.current_stream(device).wait_stream(side)
-            with torch.cuda.graph(graph):
-                out = compute()
+            # The capture records the current device's kernels: the gradients' device, made
+            # current (their device need not be the current one).
+            with torch.cuda.device(device):
+                with torch.cuda.stream(side):
+                    compute()  # warm-up: lazy initialisation and compilation outside the capture
+                torch.cuda.current_stream(device).wait_stream(side)
+                with torch.cuda.graph(graph):
+                    out = compute()
         except Exception as error:  # a CUDA or Triton error: the eager way still works
             self.failed = True  # this list cannot be captured: launch it eagerly
             _log.info("CUDA graph: capture of %d gradients failed (%s); eager", len(grads), error)
@@ -541,7 +544,8 @@ def norm_partials(grads: Sequence[Tensor], p: float, device: torch.device) -> Te
         planned = _CUDA_PLANS.replay(grads, int(p))
         if planned is not None:
             return planned  # the same gradients as last time: checked then
-        if {grad.get_device() for grad in grads} == {device.index}:
+        index = torch.cuda.current_device() if device.index is None else device.index
+        if {grad.get_device() for grad in grads} == {index}:
             check_dtypes(grads)
             return _CUDA_PLANS.launch(grads, int(p))
     check_dtypes(grads)
