@@ -125,3 +125,91 @@ def test_compare_and_audit_see_a_difference_in_either_part(tmp_path: Path, chang
     miscounted = _norm(_magnitudes([changed]), 2.0)  # had rank 1's copy been counted
     assert finding["norm_if_miscounted"] == pytest.approx(miscounted, rel=1e-12)
     assert _json("audit", tmp_path / "same")["findings"] == []
+
+
+def _one_rank(folder: Path, values: list[complex], dtype: torch.dtype = torch.complex64) -> None:
+    grad = torch.tensor(values, dtype=dtype)
+    param = param_with(grad, tensor_model_parallel=False)
+    save_rank(folder, [("z", param)], rank=0, world_size=1, coords={})
+
+
+def _two_replicas(folder: Path, first: list[complex], second: list[complex]) -> None:
+    for rank, values in enumerate((first, second)):
+        param = param_with(torch.tensor(values, dtype=torch.complex64), tensor_model_parallel=False)
+        save_rank(folder, [("z", param)], rank=rank, world_size=2, coords={"dp": [rank, 2]})
+
+
+NAN, INF = math.nan, math.inf
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "expected"),
+    [
+        # A NaN in the same part on both sides hid the other part's difference (it read 0).
+        ([1 + 1j, complex(2, NAN)], [1 + 1j, complex(7, NAN)], 5.0),
+        # The same infinity on both sides: the other part's difference (inf - inf was NaN).
+        ([complex(INF, 2), 1 + 1j], [complex(INF, 2), 1 + 3j], 2.0),
+        # A NaN in one part on one side only: a NaN difference, flagged.
+        ([complex(NAN, 1), 0j], [complex(1, NAN), 0j], NAN),
+    ],
+)
+def test_differences_are_taken_part_by_part(
+    tmp_path: Path, a: list[complex], b: list[complex], expected: float
+) -> None:
+    _one_rank(tmp_path / "a", a)
+    _one_rank(tmp_path / "b", b)
+    done = run_gradstat("compare", tmp_path / "a", tmp_path / "b", "--json")
+    assert done.returncode == 1, done.stderr
+    (param,) = json.loads(done.stdout)["params"]
+    assert "values" in param["flags"], param
+    found = float(param["max_abs_diff"])  # JSON's NaN is the string "nan"
+    assert math.isnan(found) if math.isnan(expected) else found == expected, param
+    _two_replicas(tmp_path / "replicas", a, b)
+    done = run_gradstat("audit", tmp_path / "replicas", "--json")
+    assert done.returncode == 1, done.stderr
+    kinds = [
+        (finding["kind"], finding["max_abs_diff"])
+        for finding in json.loads(done.stdout)["findings"]
+    ]
+    assert len(kinds) == 1 and kinds[0][0] == "dp_replicas_differ", kinds
+    found = float(kinds[0][1])
+    assert math.isnan(found) if math.isnan(expected) else found == expected
+
+
+def test_a_real_infinity_on_both_sides_hides_no_difference(tmp_path: Path) -> None:
+    """The same for real gradients: an infinity in both copies made the scale of the
+    elementwise tolerance infinite, and replicas differing elsewhere had no finding (and
+    compare read the difference as NaN)."""
+    first, second = [INF, -2.0, 0.0, 4.0], [INF, -2.0, 0.0, 5.0]
+    for rank, values in enumerate((first, second)):
+        param = param_with(torch.tensor(values), tensor_model_parallel=False)
+        save_rank(
+            tmp_path / "dp", [("w", param)], rank=rank, world_size=2, coords={"dp": [rank, 2]}
+        )
+    done = run_gradstat("audit", tmp_path / "dp", "--json")
+    assert done.returncode == 1, done.stderr
+    (finding,) = json.loads(done.stdout)["findings"]
+    assert finding["kind"] == "dp_replicas_differ" and finding["max_abs_diff"] == 1.0, finding
+    assert finding["rel_diff"] == pytest.approx(1.0 / 5.0)  # against the largest finite |x|
+    for name, values in (("a", first), ("b", second)):
+        _one_rank(tmp_path / name, values, torch.float32)
+    done = run_gradstat("compare", tmp_path / "a", tmp_path / "b", "--json")
+    assert done.returncode == 1, done.stderr
+    (param,) = json.loads(done.stdout)["params"]
+    assert param["max_abs_diff"] == 1.0 and "values" in param["flags"], param
+
+
+def test_a_complex_element_is_infinite_where_a_part_is(tmp_path: Path) -> None:
+    """inf + NaN j has |z| = inf: one infinite element, no NaN (it was counted as both); 1 + NaN j
+    is the NaN, and the norm's."""
+    _one_rank(tmp_path / "e", [complex(INF, NAN), complex(1, NAN), 1 + 1j, 0j])
+    report = _json_any("norm", tmp_path / "e")
+    assert math.isnan(float(report["total_norm"]))
+    assert [(row["nan"], row["inf"]) for row in report["nonfinite"]] == [(1, 1)]
+
+
+def _json_any(*args: str | Path) -> dict:
+    done = run_gradstat(*args, "--json")
+    assert done.returncode in (0, 1), done.stdout + done.stderr
+    found: dict = json.loads(done.stdout)
+    return found

@@ -71,10 +71,13 @@ from gradstat.analysis.tiles import (
     MappedFiles,
     Tile,
     box,
+    differences,
+    finite_peak,
     snapshot_tiles,
     squares,
     wide_chunks,
 )
+from gradstat.core import kernels
 from gradstat.distributed.runner import Processes, gather_jobs
 from gradstat.snapshot import RebuiltParam, Snapshot
 
@@ -129,14 +132,13 @@ class _Gap:
 def _measure(ref: Tensor, other: Tensor) -> _Gap:
     gap = _Gap(elements=ref.numel())
     for wide_ref, wide_other in wide_chunks(ref, other):
-        same = (wide_ref == wide_other) | (wide_ref.isnan() & wide_other.isnan())
-        differing = int((~same).sum())
+        diff = differences(wide_ref, wide_other)
+        differing = int(torch.count_nonzero(diff))  # NaN too: NaN on one side only
         if differing:
-            diff = (wide_ref - wide_other).abs().masked_fill_(same, 0.0)
             gap.differing += differing
             gap.max_abs_diff = nan_max((gap.max_abs_diff, float(diff.max())))
         for block in (wide_ref, wide_other):
-            gap.scale = max(gap.scale, float(block.abs().nan_to_num_(0.0).max()))
+            gap.scale = max(gap.scale, finite_peak(block))
         gap.squares_ref += squares(wide_ref)
         gap.squares_other += squares(wide_other)
     return gap
@@ -390,7 +392,8 @@ def _padding(name: str, tiles: Sequence[Tile], files: MappedFiles) -> list[dict[
         if found:
             ranks.add(tile.rank)
             nonzero += found
-            largest = nan_max((largest, float(segment.abs().double().max())))
+            wide = kernels.magnitudes(segment) if segment.is_complex() else segment.double().abs()
+            largest = nan_max((largest, float(wide.max())))
             squares += _squares(segment)
     if not ranks:
         return []

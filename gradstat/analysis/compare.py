@@ -38,6 +38,8 @@ from gradstat.analysis.tiles import (
     MappedFiles,
     Tile,
     assemble,
+    differences,
+    finite_peak,
     plan,
     segments,
     snapshot_tiles,
@@ -131,22 +133,19 @@ def _aligned(pieces_a: list[Tensor], pieces_b: list[Tensor]) -> Iterator[tuple[T
 
 
 def _differences(pieces_a: list[Tensor], pieces_b: list[Tensor]) -> tuple[float, float, float]:
-    """max |a - b| (NaN where only one side is NaN), the largest |element| of either, and
-    ||a - b||_2 (between two checkpoints, the update), in float64 (complex128 for complex)."""
+    """max |a - b| (NaN where only one side is NaN; see :func:`differences`), the largest
+    |element| of either, and ||a - b||_2 (between two checkpoints, the update), in float64."""
     pairs = list(_aligned(pieces_a, pieces_b))
     if all(a.dtype == b.dtype and torch.equal(a, b) for a, b in pairs):
         return 0.0, 0.0, 0.0  # the usual case, in one pass (the scale matters for a difference)
     largest_diff, largest = 0.0, 0.0
     sums = []
     for wide_a, wide_b in (block for a, b in pairs for block in wide_chunks(a, b)):
-        both_nan = wide_a.isnan() & wide_b.isnan()
-        diff = (wide_a - wide_b).abs().masked_fill_(both_nan, 0.0)
+        diff = differences(wide_a, wide_b)
         # max() propagates NaN: a NaN on one side only is a NaN difference.
         largest_diff = nan_max((largest_diff, float(diff.max()) if diff.numel() else 0.0))
         sums.append(float(diff.square_().sum()))
-        for block in (wide_a, wide_b):
-            if block.numel():
-                largest = max(largest, float(block.abs().nan_to_num_(0.0).max()))
+        largest = max(largest, finite_peak(wide_a), finite_peak(wide_b))
     return largest_diff, largest, math.sqrt(math.fsum(sums))
 
 

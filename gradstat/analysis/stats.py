@@ -90,8 +90,9 @@ def nan_max(values: Iterable[float]) -> float:
 
 
 def relative_to(difference: float, scale: float) -> float:
-    """``difference`` (a largest |a - b|) relative to ``scale`` (the largest |element| compared):
-    0 when there is none, inf for a difference where every element compared is zero."""
+    """``difference`` (a largest |a - b|) relative to ``scale`` (the largest finite |element|
+    compared): 0 when there is none, inf for a difference where every finite element compared
+    is zero."""
     if scale:
         return difference / scale
     return 0.0 if difference == 0 else math.inf
@@ -353,7 +354,9 @@ def tensor_piece(
     nonfinite = None
     # NaN and Inf propagate into every norm: only a non-finite partial needs the extra passes.
     if not all(map(math.isfinite, partials)):
-        nan, inf = int(torch.isnan(grad).sum()), int(torch.isinf(grad).sum())
+        # A complex element is what its |z| is: infinite where a part is, else NaN where one is.
+        values = kernels.magnitudes(grad) if grad.is_complex() else grad
+        nan, inf = int(torch.isnan(values).sum()), int(torch.isinf(values).sum())
         if nan or inf:
             nonfinite = NonFinite(rank_file.rank, param.name, nan, inf)
     return _piece(rank_file, param, grad.numel(), gtp_pad_zero_count(param, grad), stats, nonfinite)

@@ -37,6 +37,8 @@ __all__ = [
     "assemble",
     "box",
     "chunks",
+    "differences",
+    "finite_peak",
     "plan",
     "segments",
     "snapshot_tiles",
@@ -404,6 +406,30 @@ def wide_chunks(*tensors: Tensor, size: int = 1 << 22) -> Iterator[tuple[Tensor,
     wide = torch.complex128 if any(tensor.is_complex() for tensor in tensors) else torch.float64
     for blocks in chunks(*tensors, size=size):
         yield tuple(block.to(wide) for block in blocks)
+
+
+def differences(wide_a: Tensor, wide_b: Tensor) -> Tensor:
+    """|a - b| of each element of two :func:`wide_chunks` blocks, in float64, taken part by part
+    for complex ones: a part equal on both sides (the same infinity too) or NaN on both differs
+    by 0, a part NaN on one side only by NaN."""
+    real_a, real_b = (
+        (torch.view_as_real(wide_a), torch.view_as_real(wide_b))
+        if wide_a.is_complex()
+        else (wide_a, wide_b)
+    )
+    parts = real_a - real_b
+    parts.masked_fill_((real_a == real_b) | (real_a.isnan() & real_b.isnan()), 0.0)
+    if not wide_a.is_complex():
+        return parts.abs_()
+    return torch.view_as_complex(parts).abs()
+
+
+def finite_peak(block: Tensor) -> float:
+    """The largest |x| of a block's finite elements (0 where none is): the scale a difference
+    is judged against, which an infinity, the same on both sides, must not make infinite."""
+    if not block.numel():
+        return 0.0
+    return float(block.abs().nan_to_num_(0.0, posinf=0.0).max())
 
 
 def squares(block: Tensor) -> float:
