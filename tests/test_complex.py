@@ -213,3 +213,29 @@ def _json_any(*args: str | Path) -> dict:
     assert done.returncode in (0, 1), done.stdout + done.stderr
     found: dict = json.loads(done.stdout)
     return found
+
+
+def test_complex_gtp_padding_that_is_not_zero_is_measured_in_float64(tmp_path: Path) -> None:
+    """The padding rows of a GTP shard holding a value: its |z| was taken in complex64's
+    float32 (1.4142135381698608 for 1 + 1j; inf for 3e38 + 3e38j)."""
+    from gradstat import AxisPlace
+
+    for value in (1 + 1j, complex(3e38, 3e38)):
+        folder = tmp_path / str(value)
+        padded = torch.cat([torch.full((5, 2), 0.5 + 0.5j), torch.zeros(3, 2)]).to(torch.complex64)
+        padded[7, 1] = value
+        for rank in range(2):
+            shard = param_with(
+                padded.chunk(2)[rank].clone(),
+                is_gtp_weight_remat=True,
+                pad_length=3,
+                group=AxisPlace(rank, 2),
+            )
+            coords = {"gtp": [rank, 2]}
+            save_rank(folder, [("w", shard)], rank=rank, world_size=2, coords=coords, step=1)
+        done = run_gradstat("audit", folder, "--json")
+        assert done.returncode == 1, done.stderr
+        (finding,) = json.loads(done.stdout)["findings"]
+        assert finding["kind"] == "gtp_padding_nonzero", finding
+        stored = complex(padded[7, 1].item())  # the complex64 value, parts widened exactly
+        assert float(finding["max_abs_diff"]) == abs(stored)  # Python's float64 |z|
