@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -144,12 +144,6 @@ def _measure(ref: Tensor, other: Tensor) -> _Gap:
     return gap
 
 
-def _bits(tensor: Tensor) -> Tensor:
-    """The tensor's bytes as integers: equal bits, NaN payloads included."""
-    width = {8: torch.int64, 4: torch.int32, 2: torch.int16}[tensor.element_size()]
-    return tensor.view(width)
-
-
 def _squares(tensor: Tensor) -> float:
     return sum(squares(block) for (block,) in wide_chunks(tensor))
 
@@ -201,6 +195,15 @@ def _axis_label(tile: Tile, role: str) -> str:
     return (tile.axis(role) or role).upper()
 
 
+def _largest_change(changes: Iterable[float]) -> float | None:
+    """The change of the largest magnitude (None if none), NaN if any is: the same whatever
+    their order."""
+    found = list(changes)
+    if any(math.isnan(change) for change in found):
+        return math.nan
+    return max(found, key=abs, default=None)
+
+
 def _copies_differ(
     kind: str,
     what: str,
@@ -208,14 +211,21 @@ def _copies_differ(
     files: MappedFiles,
     rtol: float,
     same_buffer: bool,
+    replica: Callable[[Tile], Hashable] | None = None,
 ) -> list[dict[str, Any]]:
-    """One finding for the (reference, copy) pairs that differ beyond ``rtol``, if any."""
+    """One finding for the (reference, copy) pairs that differ beyond ``rtol``, if any.
+
+    Its ``power_delta`` is the change of the counted sum of squares had another replica been
+    counted, the largest over the replicas: a copy's changes are added up with those of the
+    other copies of its ``replica`` (the shards of one data-parallel replica of a TP-sharded
+    weight all count instead of the counted ones); each pair alone where ``replica`` is None.
+    """
     ranks: set[int] = set()
     differing = elements = 0
     largest, scale = 0.0, 0.0
-    delta: float | None = None
+    changes: dict[Hashable, float] = defaultdict(float)
     name = ""
-    for ref, other in pairs:
+    for index, (ref, other) in enumerate(pairs):
         name = other.name  # the copy: for a tied pair, the one that should equal the other
         overlap = _overlap(ref, other, same_buffer)
         if overlap is None:
@@ -229,15 +239,28 @@ def _copies_differ(
         ranks |= {ref.rank, other.rank}
         differing, elements = differing + gap.differing, elements + gap.elements
         largest, scale = nan_max((largest, gap.max_abs_diff)), max(scale, gap.scale)
-        if ref.counted:
-            # Counting this copy instead of the reference: the larger change is reported.
-            change = gap.squares_other - gap.squares_ref
-            if delta is None or not abs(change) <= abs(delta):
-                delta = change
+        if ref.counted:  # counting this copy instead of the reference
+            changes[index if replica is None else replica(other)] += (
+                gap.squares_other - gap.squares_ref
+            )
     if not ranks:
         return []
     detail = f"{what} in {differing} of {elements} element{'' if elements == 1 else 's'}"
-    return [_raw(kind, name, ranks, detail, largest, scale, delta)]
+    return [_raw(kind, name, ranks, detail, largest, scale, _largest_change(changes.values()))]
+
+
+def _place_along(roles: tuple[str, ...]) -> Callable[[Tile], Hashable]:
+    """A tile's replica among those :func:`_replica_pairs` pairs along ``roles``: its places
+    there."""
+    return lambda tile: tuple(tile.role_place(role)[0] for role in roles)
+
+
+def _dtensor_replica(tile: Tile) -> Hashable:
+    """A DTensor shard's replica: its coordinates on the mesh dimensions it is replicated on."""
+    dtensor = tile.record.dtensor
+    assert dtensor is not None
+    placed = zip(dtensor.placements, dtensor.coordinate, strict=True)
+    return tuple(index for code, index in placed if code == "R")
 
 
 def _replica_pairs(tiles: Sequence[Tile], roles: tuple[str, ...]) -> list[tuple[Tile, Tile]]:
@@ -291,8 +314,9 @@ def _data_parallel_findings(
         (by_cp if same_dp else by_dp).append((ref, other))
     dp_what = "plain optimizer, yet its data-parallel replicas differ"
     cp_what = "plain optimizer, yet its context-parallel replicas differ"
-    return _copies_differ("dp_replicas_differ", dp_what, by_dp, files, rtol, True) + (
-        _copies_differ("cp_replicas_differ", cp_what, by_cp, files, rtol, True)
+    replica = _place_along(("dp", "cp"))
+    return _copies_differ("dp_replicas_differ", dp_what, by_dp, files, rtol, True, replica) + (
+        _copies_differ("cp_replicas_differ", cp_what, by_cp, files, rtol, True, replica)
     )
 
 
@@ -360,7 +384,7 @@ def _identical_shards(
         if overlap is None or overlap[0] != slice(0, ref.record.numel):
             return []
         # Bitwise equal, NaN included: the shards of a real TP weight differ at once.
-        ref_bits, other_bits = (_bits(files.tensor(tile)) for tile in (ref, other))
+        ref_bits, other_bits = (kernels.bits(files.tensor(tile)) for tile in (ref, other))
         if not torch.equal(ref_bits, other_bits):
             return []
     scale = max(float(files.tensor(tile).abs().nan_to_num(0.0).max()) for tile in tiles)
@@ -414,16 +438,20 @@ def _audit_param(tiles: Sequence[Tile], distributed_optimizer: bool, rtol: float
         if all(tile.record.dtensor is not None for tile in tiles):
             what = "a copy by its placements (Replicate, or outside a TP plan), yet copies differ"
             pairs = _dtensor_copy_pairs(tiles)
-            return _copies_differ("replicas_differ", what, pairs, files, rtol, True)
+            return _copies_differ(
+                "replicas_differ", what, pairs, files, rtol, True, _dtensor_replica
+            )
         tp, gtp = first.role_place("tp")[1], first.role_place("gtp")[1]
         if not first.tp_sharded and tp > 1:
             what = f"not tensor-parallel, yet its {_axis_label(first, 'tp')} copies differ"
             pairs = _replica_pairs(tiles, ("tp",))
-            found += _copies_differ("tp_replicas_differ", what, pairs, files, rtol, True)
+            replica = _place_along(("tp",))
+            found += _copies_differ("tp_replicas_differ", what, pairs, files, rtol, True, replica)
         if not first.gtp_sharded and gtp > 1:
             what = f"not GTP-sharded, yet its {_axis_label(first, 'gtp')} copies differ"
             pairs = _replica_pairs(tiles, ("gtp",))
-            found += _copies_differ("gtp_replicas_differ", what, pairs, files, rtol, True)
+            replica = _place_along(("gtp",))
+            found += _copies_differ("gtp_replicas_differ", what, pairs, files, rtol, True, replica)
         if not distributed_optimizer:
             found += _data_parallel_findings(tiles, files, rtol)
         if first.tp_sharded and tp > 1:
@@ -549,7 +577,7 @@ def _stored_copies(files: Sequence[Any], rtol: float) -> list[dict[str, Any]]:
                 continue
             largest = nan_max([gap.max_abs_diff for _, gap in gaps])
             scale = max(gap.scale for _, gap in gaps)
-            change = max((gap.squares_other - gap.squares_ref for _, gap in gaps), key=abs)
+            change = _largest_change(gap.squares_other - gap.squares_ref for _, gap in gaps)
             places = ", ".join(sorted({path for path, _ in gaps}))
             detail = (
                 f"stored {chunk.copies} times (rank-local metadata), and the copies in {places} "

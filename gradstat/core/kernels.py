@@ -47,6 +47,7 @@ __all__ = [
     "TensorStats",
     "abs_max",
     "add_norms",
+    "bits",
     "check_dtype",
     "combine_norms",
     "magnitudes",
@@ -758,6 +759,13 @@ def one_pass_serves(finite: Sequence[float], with_inf: bool, zeros: bool) -> boo
     """Whether the native kernel's one pass gives some of what is asked (L1, L2, inf or
     zeros)."""
     return zeros or with_inf or 2.0 in finite or 1.0 in finite
+
+
+def bits(tensor: Tensor) -> Tensor:
+    """The tensor's elements as integers of their width: equal where the bits are, NaN payloads
+    included (``torch.equal`` finds a NaN unequal to itself)."""
+    width = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[tensor.element_size()]
+    return tensor.view(width)
 
 
 def magnitudes(grad: Tensor) -> Tensor:

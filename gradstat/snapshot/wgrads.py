@@ -49,6 +49,7 @@ from typing import IO, Any
 import torch
 
 from gradstat.core.axes import AXES
+from gradstat.core.kernels import bits
 from gradstat.errors import ArgumentError, DumpWarning, SnapshotError
 from gradstat.snapshot.container import mapped
 from gradstat.snapshot.format import EXPERT_NAME, WGRADS_FILE, ParamRecord, RankHeader
@@ -521,7 +522,9 @@ def _tied(
         if dump.shape(output) != other.shape(embedding):
             return False, "untied: its shape is not the embedding's"
         with mapped(dump.pth.container) as mine, mapped(other.pth.container) as theirs:
-            if not torch.equal(mine[output], theirs[embedding]):
+            # Bitwise: a NaN the all-reduce gave both copies is equal to itself here.
+            ours, embedded = mine[output], theirs[embedding]
+            if ours.dtype != embedded.dtype or not torch.equal(bits(ours), bits(embedded)):
                 return False, (
                     f"untied: its gradient differs from the embedding's in {other.name} "
                     "(Megatron all-reduces tied copies before the dump)"
