@@ -86,3 +86,30 @@ def test_a_tied_output_layer_holding_the_embeddings_nan_is_still_its_copy(tmp_pa
     report = json.loads(done.stdout)
     assert report["num_zeros"] == model.zeros
     assert report["num_elements"] == sum(tensor.grad.numel() for tensor in model.tensors.values())
+
+
+def test_an_hsdp_replica_counts_by_all_its_shards(tmp_path: Path) -> None:
+    """HSDP (mesh 2 x 2, Replicate x Shard(0)): the replica at coordinate 1 differs in both of
+    its shards; counting it counts both."""
+    from gradstat.core.placements import MeshPlacement
+    from tests.test_coverage import _write_shard
+
+    full = torch.arange(1.0, 25.0).reshape(4, 6) / 3
+    replica = full.clone()
+    replica[0, 0], replica[3, 5] = 100.0, -7.0
+    for rank in range(4):
+        copy, shard = divmod(rank, 2)
+        grad = (replica if copy else full)[2 * shard : 2 * shard + 2].clone()
+        mesh = MeshPlacement(
+            (2, 2),
+            (copy, shard),
+            ("R", "S(0)"),
+            (4, 6),
+            ("dp_replicate", "dp_shard"),
+            (2 * shard, 0),
+        )
+        _write_shard(tmp_path, rank, 4, grad, mesh)
+    finding = _finding(tmp_path)
+    assert finding["kind"] == "replicas_differ", finding
+    expected = _norm(replica.reshape(-1).tolist())
+    assert finding["norm_if_miscounted"] == pytest.approx(expected, rel=1e-12)
