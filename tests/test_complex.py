@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 import gradstat
 from gradstat.recorder import complete_snapshots
@@ -23,10 +25,10 @@ from tests._params import param_with
 
 
 class _Filter(torch.nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, dtype: torch.dtype) -> None:
         super().__init__()
         self.linear = torch.nn.Linear(4, 3)
-        self.spectrum = torch.nn.Parameter(torch.zeros(6, dtype=torch.complex64))
+        self.spectrum = torch.nn.Parameter(torch.zeros(6, dtype=dtype))
 
 
 def _magnitudes(grads: list[torch.Tensor]) -> list[float]:
@@ -46,8 +48,13 @@ def _json(*args: str | Path) -> dict:
     return found
 
 
-def test_the_recorder_keeps_a_snapshot_of_a_complex_gradient(tmp_path: Path) -> None:
-    model = _Filter()
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
+def test_the_recorder_keeps_a_snapshot_of_a_complex_gradient(
+    tmp_path: Path, dtype: torch.dtype
+) -> None:
+    """complex128, which safetensors has no dtype for, is kept as its real view (float64
+    pairs, readable by any safetensors reader): its snapshot was lost too."""
+    model = _Filter(dtype)
     recorder = gradstat.Recorder(model, tmp_path / "run", spike=None, steps=[2])
     gen = torch.Generator().manual_seed(3)
     kept: list[torch.Tensor] = []
@@ -77,8 +84,14 @@ def test_the_recorder_keeps_a_snapshot_of_a_complex_gradient(tmp_path: Path) -> 
     done = run_gradstat("clip", snapshot, "--max-norm", "1", "--out", clipped)
     assert done.returncode == 0, done.stderr
     assert {path.name: path.read_bytes() for path in snapshot.iterdir()} == before
-    # Scaled in complex64: each element within fp32's rounding of its scaled value.
+    # Scaled in its dtype: each element within its rounding of its scaled value.
     assert math.isclose(_json("norm", clipped)["total_norm"], 1.0, rel_tol=1e-6)
+    with safe_open(next(snapshot.iterdir()), "pt") as file:
+        stored = file.get_tensor("spectrum")
+    if dtype == torch.complex128:  # the real view: real and imaginary parts, in float64
+        assert stored.dtype == torch.float64 and stored.shape == (6, 2)
+        stored = torch.view_as_complex(stored)
+    assert torch.equal(stored, kept[0])  # the module's own parameter, listed first
 
 
 def _replicas(folder: Path, second: torch.Tensor) -> None:
@@ -133,9 +146,11 @@ def _one_rank(folder: Path, values: list[complex], dtype: torch.dtype = torch.co
     save_rank(folder, [("z", param)], rank=0, world_size=1, coords={})
 
 
-def _two_replicas(folder: Path, first: list[complex], second: list[complex]) -> None:
+def _two_replicas(
+    folder: Path, first: list[complex], second: list[complex], dtype: torch.dtype
+) -> None:
     for rank, values in enumerate((first, second)):
-        param = param_with(torch.tensor(values, dtype=torch.complex64), tensor_model_parallel=False)
+        param = param_with(torch.tensor(values, dtype=dtype), tensor_model_parallel=False)
         save_rank(folder, [("z", param)], rank=rank, world_size=2, coords={"dp": [rank, 2]})
 
 
@@ -153,18 +168,19 @@ NAN, INF = math.nan, math.inf
         ([complex(NAN, 1), 0j], [complex(1, NAN), 0j], NAN),
     ],
 )
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
 def test_differences_are_taken_part_by_part(
-    tmp_path: Path, a: list[complex], b: list[complex], expected: float
+    tmp_path: Path, a: list[complex], b: list[complex], expected: float, dtype: torch.dtype
 ) -> None:
-    _one_rank(tmp_path / "a", a)
-    _one_rank(tmp_path / "b", b)
+    _one_rank(tmp_path / "a", a, dtype)
+    _one_rank(tmp_path / "b", b, dtype)
     done = run_gradstat("compare", tmp_path / "a", tmp_path / "b", "--json")
     assert done.returncode == 1, done.stderr
     (param,) = json.loads(done.stdout)["params"]
     assert "values" in param["flags"], param
     found = float(param["max_abs_diff"])  # JSON's NaN is the string "nan"
     assert math.isnan(found) if math.isnan(expected) else found == expected, param
-    _two_replicas(tmp_path / "replicas", a, b)
+    _two_replicas(tmp_path / "replicas", a, b, dtype)
     done = run_gradstat("audit", tmp_path / "replicas", "--json")
     assert done.returncode == 1, done.stderr
     kinds = [
@@ -239,3 +255,28 @@ def test_complex_gtp_padding_that_is_not_zero_is_measured_in_float64(tmp_path: P
         assert finding["kind"] == "gtp_padding_nonzero", finding
         stored = complex(padded[7, 1].item())  # the complex64 value, parts widened exactly
         assert float(finding["max_abs_diff"]) == abs(stored)  # Python's float64 |z|
+
+
+@pytest.mark.parametrize(
+    "stored",
+    [
+        torch.zeros(8, dtype=torch.float64),  # the right bytes in the wrong shape
+        torch.zeros(4, 2, dtype=torch.float32),
+        torch.zeros(4, dtype=torch.complex64),
+    ],
+)
+def test_a_complex128_record_whose_tensor_is_not_its_real_view_is_refused(
+    tmp_path: Path, stored: torch.Tensor
+) -> None:
+    _one_rank(tmp_path / "good", [3 + 4j, 0j, -1j, 2j], torch.complex128)
+    (path,) = (tmp_path / "good").iterdir()
+    with safe_open(path, "pt") as file:
+        metadata = file.metadata()
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    save_file({"z": stored}, bad / path.name, metadata=metadata)
+    done = run_gradstat("norm", bad)
+    assert done.returncode != 0 and done.stdout == "", done.stdout
+    (line,) = done.stderr.splitlines()
+    assert str(bad / path.name) in line and "'z'" in line, line
+    assert "complex128[4] (kept as float64[4, 2])" in line, line

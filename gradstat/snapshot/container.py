@@ -48,6 +48,7 @@ from gradstat.snapshot.format import (
     CODE_NAMES,
     DTYPE_NAMES,
     DTYPES,
+    REAL_VIEWS,
     are_sizes,
     fits_torch,
     load_json,
@@ -562,14 +563,23 @@ def kept_fp32(container: Container, names: Sequence[str]) -> tuple[array[int], a
     return pointers, array("q", [math.prod(slot.shape) for slot in slots])
 
 
+def _stored(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor as the file keeps it: its real view for a dtype safetensors has no code for."""
+    if DTYPE_NAMES[tensor.dtype] in REAL_VIEWS:
+        return torch.view_as_real(tensor.detach().resolve_conj())
+    return tensor
+
+
 def write_container(
     file: IO[bytes], metadata: dict[str, str], tensors: Sequence[tuple[str, torch.Tensor]]
 ) -> None:
     """Write a safetensors file from CPU-or-device tensors, one tensor in memory at a time.
 
     Tensors are laid out widest dtype first, so every tensor's bytes are aligned to its dtype.
+    One of a dtype safetensors has no code for is written as its real view (``REAL_VIEWS``).
     """
-    order = sorted(tensors, key=lambda item: -item[1].element_size())
+    kept = [(name, _stored(tensor)) for name, tensor in tensors]
+    order = sorted(kept, key=lambda item: -item[1].element_size())
     entries: dict[str, Any] = {"__metadata__": metadata}
     position = 0
     for name, tensor in order:

@@ -62,9 +62,14 @@ DTYPES = {
     "float16": (torch.float16, "F16"),
     "float64": (torch.float64, "F64"),
     "complex64": (torch.complex64, "C64"),
+    "complex128": (torch.complex128, "F64"),
 }
+# The dtypes safetensors has no code for, kept as their real view (the same bytes: the shape and
+# a last dimension of 2, real and imaginary parts) in the dtype named here; the record says
+# which they are.
+REAL_VIEWS = {"complex128": "float64"}
 DTYPE_NAMES = {torch_dtype: name for name, (torch_dtype, _) in DTYPES.items()}
-CODE_NAMES = {code: name for name, (_, code) in DTYPES.items()}
+CODE_NAMES = {code: name for name, (_, code) in DTYPES.items() if name not in REAL_VIEWS}
 
 # Megatron attributes recorded per parameter, with the value an absent attribute means.
 ATTRIBUTE_DEFAULTS: dict[str, Any] = {

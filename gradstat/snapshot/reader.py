@@ -23,6 +23,7 @@ from gradstat.errors import SnapshotError
 from gradstat.snapshot.container import (
     Container,
     KnownLayouts,
+    TensorSlot,
     mapped,
     read_container,
     write_container,
@@ -30,6 +31,7 @@ from gradstat.snapshot.container import (
 from gradstat.snapshot.dcp import is_dcp_directory
 from gradstat.snapshot.format import (
     METADATA_KEY,
+    REAL_VIEWS,
     TORCH_SIZE_LIMIT,
     ParamRecord,
     RankHeader,
@@ -528,11 +530,12 @@ def open_rank_file(
         raise SnapshotError(f"{path}: a safetensors file without gradstat metadata")
     metadata = container.metadata[METADATA_KEY]
     header = parse_header(path, metadata, None if known is None else known.params)
-    _check_tensors(path, header, container)
-    return RankFile(header, container)
+    return RankFile(header, _check_tensors(path, header, container))
 
 
-def _check_tensors(path: Path, header: RankHeader, container: Container) -> None:
+def _check_tensors(path: Path, header: RankHeader, container: Container) -> Container:
+    """The container checked against the header's records, its tensors kept as their real
+    view (``REAL_VIEWS``) read as what their records say."""
     slots = container.slots
     recorded = {record.name for record in header.params if record.has_grad}
     coords = header.coords
@@ -540,6 +543,7 @@ def _check_tensors(path: Path, header: RankHeader, container: Container) -> None
     spanned = max(coords[Axis.tp][1], coords[Axis.etp][1]) * max(
         coords[Axis.gtp][1], coords[Axis.egtp][1]
     )
+    viewed: dict[str, TensorSlot] = {}  # tensors kept as their real view, as they are
     if not slots.keys() <= recorded:
         extra = sorted(slots.keys() - recorded)
         raise SnapshotError(f"{path}: tensor {extra[0]!r} has no parameter record")
@@ -552,14 +556,26 @@ def _check_tensors(path: Path, header: RankHeader, container: Container) -> None
                 f"{_where(path, record)}: its gradient tensor is missing from the file"
             )
         if slot.dtype != record.dtype or slot.shape != record.shape:
-            raise SnapshotError(
-                f"{_where(path, record)}: tensor is {slot.dtype}{list(slot.shape)} but its "
-                f"record says {record.dtype}{list(record.shape)}"
-            )
+            viewed[record.name] = _real_view(_where(path, record), record, slot)
         if record.attr("is_gtp_weight_remat"):
             _check_gtp(_where(path, record), header, record)
         if spanned > 1:
             _check_full_shape(path, header, record)
+    return replace(container, slots={**slots, **viewed}) if viewed else container
+
+
+def _real_view(where: str, record: ParamRecord, slot: TensorSlot) -> TensorSlot:
+    """The slot of a tensor whose dtype safetensors has no code for (``REAL_VIEWS``), as the
+    record's dtype and shape: its file holds the real view, the same bytes."""
+    stored = REAL_VIEWS.get(str(record.dtype))
+    if stored is None or slot.dtype != stored or slot.shape != (*record.shape, 2):
+        said = f"{record.dtype}{list(record.shape)}"
+        if stored is not None:
+            said += f" (kept as {stored}{[*record.shape, 2]})"
+        raise SnapshotError(
+            f"{where}: tensor is {slot.dtype}{list(slot.shape)} but its record says {said}"
+        )
+    return slot._replace(dtype=str(record.dtype), shape=record.shape)
 
 
 def _where(path: Path, record: ParamRecord) -> str:
