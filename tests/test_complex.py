@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from safetensors.torch import save_file
 
 import gradstat
 from gradstat.recorder import complete_snapshots
-from gradstat.snapshot import save_rank
+from gradstat.snapshot import Snapshot, save_rank
 from tests._cli import run_gradstat
 from tests._params import param_with
 
@@ -280,3 +281,68 @@ def test_a_complex128_record_whose_tensor_is_not_its_real_view_is_refused(
     (line,) = done.stderr.splitlines()
     assert str(bad / path.name) in line and "'z'" in line, line
     assert "complex128[4] (kept as float64[4, 2])" in line, line
+
+
+def test_a_complex128_tensor_on_an_8_byte_boundary_is_read_aligned(tmp_path: Path) -> None:
+    """safetensors aligns a tensor's bytes to 8 at most; a complex128 view at an address that
+    is not a multiple of 16 faulted (SIGSEGV in ``compare`` of a TP x EP snapshot written by
+    gradstat, which now aligns them to 16 itself): it is read into memory of its own."""
+    values = torch.tensor([3 + 4j, -1j, 0.5 + 0j], dtype=torch.complex128)
+    _one_rank(tmp_path / "good", values.tolist(), torch.complex128)
+    (good,) = (tmp_path / "good").iterdir()
+    with safe_open(good, "pt") as file:
+        metadata, real_view = file.metadata(), file.get_tensor("z")
+    header = json.loads(metadata["gradstat"])
+    for count in (1, 2, 3):  # a float64 tensor before it, of a size that leaves it misaligned
+        header["params"] = [  # "a" is first in the file too (safetensors orders by name)
+            {
+                **header["params"][0],
+                "name": "a",
+                "dtype": "float64",
+                "shape": [count],
+                "param_shape": [count],
+            },
+            header["params"][-1],
+        ]
+        bad = tmp_path / f"before-{count}"
+        bad.mkdir()
+        tensors = {"a": torch.ones(count, dtype=torch.float64), "z": real_view}
+        save_file(tensors, bad / good.name, metadata={"gradstat": json.dumps(header)})
+        (length,) = struct.unpack("<Q", (bad / good.name).read_bytes()[:8])
+        if (8 + length + 8 * count) % 16:  # z's bytes begin at 8 modulo 16 in the file
+            break
+    else:
+        pytest.fail("no float64 tensor size left the complex128 one misaligned")
+    files = Snapshot.open(bad).files
+    with files[0].tensors() as tensors:
+        read = tensors["z"]
+        assert read.data_ptr() % 16 == 0
+        assert torch.equal(read, values)
+    done = run_gradstat("compare", tmp_path / "good", bad, "--json")
+    assert done.returncode == 1, done.stderr  # only in A: "a"
+    (z,) = [param for param in json.loads(done.stdout)["params"] if param["name"] == "z"]
+    assert z["max_abs_diff"] == 0.0 and z["flags"] == [], z
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
+@pytest.mark.parametrize("identical", [False, True])
+def test_audit_compares_complex_tp_shards_bit_for_bit(
+    tmp_path: Path, dtype: torch.dtype, identical: bool
+) -> None:
+    """A TP-sharded complex128 weight crashed audit (KeyError from its 16-byte elements)."""
+    shards = [torch.tensor([1 + 2j, -3j], dtype=dtype), torch.tensor([1 + 2j, -3j], dtype=dtype)]
+    if not identical:
+        shards[1][1] = complex(0.0, -3.5)  # the imaginary part alone differs
+    for rank, shard in enumerate(shards):
+        param = param_with(shard, tensor_model_parallel=True, partition_dim=0)
+        save_rank(tmp_path, [("w", param)], rank=rank, world_size=2, coords={"tp": [rank, 2]})
+    done = run_gradstat("audit", tmp_path, "--json")
+    assert done.returncode == (1 if identical else 0), done.stderr
+    findings = json.loads(done.stdout)["findings"]
+    if not identical:
+        assert findings == []
+        return
+    (finding,) = findings
+    assert finding["kind"] == "tp_shards_identical", finding
+    once = _norm(_magnitudes([shards[0]]), 2.0)  # the weight counted once, as replicated
+    assert finding["norm_if_miscounted"] == pytest.approx(once, rel=1e-12)

@@ -763,7 +763,10 @@ def one_pass_serves(finite: Sequence[float], with_inf: bool, zeros: bool) -> boo
 
 def bits(tensor: Tensor) -> Tensor:
     """The tensor's elements as integers of their width: equal where the bits are, NaN payloads
-    included (``torch.equal`` finds a NaN unequal to itself)."""
+    included (``torch.equal`` finds a NaN unequal to itself); a complex tensor's parts, as its
+    real view."""
+    if tensor.is_complex():
+        tensor = torch.view_as_real(tensor.resolve_conj())
     width = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[tensor.element_size()]
     return tensor.view(width)
 

@@ -517,12 +517,17 @@ class MappedTensors(Mapping[str, torch.Tensor]):
         if count == 0:
             return torch.empty(slot.shape, dtype=dtype)
         offset = self._container.data_start + slot.start
-        if isinstance(view, bytearray):  # gradstat's own copy of a small file
-            return torch.frombuffer(view, dtype=dtype, count=count, offset=offset).view(slot.shape)
         with warnings.catch_warnings():
             # The map is read-only and gradstat never writes through it.
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            return torch.frombuffer(view, dtype=dtype, count=count, offset=offset).view(slot.shape)
+            tensor = torch.frombuffer(view, dtype=dtype, count=count, offset=offset)
+            if tensor.data_ptr() % dtype.itemsize:
+                # Not aligned to its dtype (safetensors aligns to 8 bytes at most, a complex128
+                # needs 16, and kernels that assume it fault): a copy, which is.
+                size = count * dtype.itemsize
+                raw = torch.frombuffer(view, dtype=torch.uint8, count=size, offset=offset)
+                tensor = raw.clone().view(dtype)
+        return tensor.view(slot.shape)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._container.slots)
@@ -532,8 +537,9 @@ class MappedTensors(Mapping[str, torch.Tensor]):
 
 
 def mapped(container: Container) -> MappedTensors:
-    """The file's tensors, as read-only views of its map (no copies), or of the bytes read of a
-    small file once the file is found unchanged: ``with mapped(container) as tensors``.
+    """The file's tensors, as read-only views of its map, or of the bytes read of a small file
+    once the file is found unchanged: ``with mapped(container) as tensors``. No copies, but of a
+    tensor whose bytes are not aligned to its dtype.
 
     The views are valid inside the ``with`` block only; nothing may write to them.
 
@@ -575,11 +581,13 @@ def write_container(
 ) -> None:
     """Write a safetensors file from CPU-or-device tensors, one tensor in memory at a time.
 
-    Tensors are laid out widest dtype first, so every tensor's bytes are aligned to its dtype.
-    One of a dtype safetensors has no code for is written as its real view (``REAL_VIEWS``).
+    Tensors are laid out widest dtype first, from a data section aligned to the widest (8
+    bytes, 16 with a complex128), so every tensor's bytes are aligned to its dtype. One of a
+    dtype safetensors has no code for is written as its real view (``REAL_VIEWS``).
     """
-    kept = [(name, _stored(tensor)) for name, tensor in tensors]
-    order = sorted(kept, key=lambda item: -item[1].element_size())
+    widest = sorted(tensors, key=lambda item: -item[1].element_size())
+    align = max([_ALIGN, *(tensor.element_size() for _, tensor in widest[:1])])
+    order = [(name, _stored(tensor)) for name, tensor in widest]
     entries: dict[str, Any] = {"__metadata__": metadata}
     position = 0
     for name, tensor in order:
@@ -591,7 +599,7 @@ def write_container(
         }
         position += nbytes
     header = json.dumps(entries, separators=(",", ":")).encode("utf-8")
-    header += b" " * (-(8 + len(header)) % _ALIGN)
+    header += b" " * (-(8 + len(header)) % align)
     file.write(struct.pack("<Q", len(header)))
     file.write(header)
     for _, tensor in order:
