@@ -586,7 +586,7 @@ def write_container(
     dtype safetensors has no code for is written as its real view (``REAL_VIEWS``).
     """
     widest = sorted(tensors, key=lambda item: -item[1].element_size())
-    align = max([_ALIGN, *(tensor.element_size() for _, tensor in widest[:1])])
+    align = max(_ALIGN, widest[0][1].element_size()) if widest else _ALIGN
     order = [(name, _stored(tensor)) for name, tensor in widest]
     entries: dict[str, Any] = {"__metadata__": metadata}
     position = 0

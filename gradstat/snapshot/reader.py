@@ -543,7 +543,7 @@ def _check_tensors(path: Path, header: RankHeader, container: Container) -> Cont
     spanned = max(coords[Axis.tp][1], coords[Axis.etp][1]) * max(
         coords[Axis.gtp][1], coords[Axis.egtp][1]
     )
-    viewed: dict[str, TensorSlot] = {}  # tensors kept as their real view, as they are
+    viewed: dict[str, TensorSlot] = {}  # the real views, as their records say they are
     if not slots.keys() <= recorded:
         extra = sorted(slots.keys() - recorded)
         raise SnapshotError(f"{path}: tensor {extra[0]!r} has no parameter record")
