@@ -105,7 +105,8 @@ def check_dtype(grad: Tensor, what: str = "gradient") -> None:
     if grad.dtype not in SUPPORTED_DTYPES:
         names = ", ".join(str(dtype).removeprefix("torch.") for dtype in SUPPORTED_DTYPES)
         raise GradDtypeError(
-            f"{what} has dtype {str(grad.dtype).removeprefix('torch.')}; supported: {names}"
+            f"{what} has dtype {str(grad.dtype).removeprefix('torch.')}; supported: {names} "
+            "(and complex64, complex128, by their elements' magnitudes)"
         )
 
 
