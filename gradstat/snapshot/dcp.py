@@ -84,6 +84,13 @@ _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 _MAX_SAFETENSORS_HEADER = 100 * 2**20
 # DCP's key in a safetensors data file's __metadata__: per fqn, the offsets of its chunk.
 _SAFETENSORS_SHARDING_KEY = "DCP_SHARDING_INFO"
+# gradstat's key in its rank files' __metadata__ (gradstat.snapshot.format.METADATA_KEY).
+_GRADSTAT_KEY = "gradstat"
+# A Hugging Face checkpoint's index, and its files' names (DCP's HuggingFaceStorageWriter adds
+# "shard-R-" per rank before consolidation).
+_HF_INDEX = "model.safetensors.index.json"
+_HF_SHARD_NAME = re.compile(r"(?:shard-(\d+)-)?model-(\d+)-of-(\d+)\.safetensors")
+_HF_SHARDED = re.compile(r"shard-\d+-")
 
 
 # --- Index records --------------------------------------------------------------------------
@@ -385,8 +392,176 @@ def metadata_paths(directory: Path) -> list[Path]:
 
 
 def is_dcp_directory(directory: Path) -> bool:
-    """Whether ``directory`` has DCP metadata (``.metadata`` or ``__R.metadata`` files)."""
-    return directory.is_dir() and bool(metadata_paths(directory))
+    """Whether ``directory`` has DCP metadata (``.metadata`` or ``__R.metadata`` files), or is
+    a checkpoint in Hugging Face's safetensors layout (see :func:`hf_files`)."""
+    return directory.is_dir() and bool(
+        metadata_paths(directory) or os.path.lexists(directory / _HF_INDEX) or hf_files(directory)
+    )
+
+
+def hf_files(directory: Path) -> list[str]:
+    """The ``*.safetensors`` files of a checkpoint in Hugging Face's layout, sorted: what DCP's
+    ``HuggingFaceStorageWriter`` writes (consolidated, or one file per rank whose
+    ``DCP_SHARDING_INFO`` says where each tensor's chunk lies) and any Hugging Face model
+    folder. Empty where ``directory`` holds none, or DCP metadata, or where its first such
+    file is a gradstat rank file (its metadata names gradstat) or cannot be read as safetensors.
+    """
+    try:
+        names = sorted(name for name in os.listdir(directory) if name.endswith(".safetensors"))
+    except OSError:
+        return []
+    if not names or metadata_paths(directory):
+        return []
+    try:
+        metadata = _hf_header(directory / names[0]).get("__metadata__")
+    except SnapshotError:
+        return []
+    return [] if type(metadata) is dict and _GRADSTAT_KEY in metadata else names
+
+
+def _hf_header(path: Path) -> dict[str, Any]:
+    """The JSON header of a whole safetensors file, checked to be an object."""
+    try:
+        with os.fdopen(open_regular(path), "rb") as file:
+            prefix = file.read(8)
+            length = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else 0
+            if not 0 < length <= _MAX_SAFETENSORS_HEADER:
+                raise SnapshotError(f"{path}: not a safetensors file (no header length)")
+            raw = file.read(length)
+    except OSError as error:
+        raise SnapshotError(f"{path}: cannot read ({error.strerror or error})") from error
+    if len(raw) != length:
+        raise SnapshotError(f"{path}: the file ends inside its safetensors header")
+    try:
+        header = json.loads(raw)
+    except ValueError as error:
+        why = _one_line(error)
+        raise SnapshotError(f"{path}: a safetensors header that is not JSON ({why})") from error
+    if type(header) is not dict:
+        raise SnapshotError(f"{path}: a safetensors header that is not a JSON object")
+    return header
+
+
+def _hf_metadata(directory: Path, names: list[str]) -> list[MetadataFile]:
+    """Each safetensors file of a Hugging Face checkpoint as a metadata file of its own: its
+    tensors, each one chunk (whole, or at the offsets its ``DCP_SHARDING_INFO`` gives), stored
+    in a blob at byte 0; a tensor's global shape is its chunks' extent, as DCP's
+    ``HuggingFaceStorageReader`` takes it."""
+    _check_hf_complete(directory, names)
+    found: list[tuple[str, str, torch.dtype, tuple[int, ...], tuple[int, ...], int]] = []
+    for name in names:
+        path = directory / name
+        header = _hf_header(path)
+        metadata = header.pop("__metadata__", {})
+        if type(metadata) is not dict:
+            raise SnapshotError(f"{path}: its safetensors __metadata__ is not a JSON object")
+        if _GRADSTAT_KEY in metadata:
+            raise SnapshotError(
+                f"{path}: a gradstat rank file among the files of a Hugging Face checkpoint; "
+                "keep each in a directory of its own"
+            )
+        sharding = _sharding(path, metadata)
+        for fqn, record in header.items():
+            dtype, shape, nbytes = _hf_record(path, fqn, record)
+            offsets = (0,) * len(shape) if sharding is None else sharding.get(fqn)
+            if offsets is None or len(offsets) != len(shape):
+                raise SnapshotError(
+                    f"{path}: tensor {fqn!r}: its DCP_SHARDING_INFO gives no offsets of "
+                    f"{len(shape)} dimensions"
+                )
+            found.append((name, fqn, dtype, shape, offsets, nbytes))
+    sizes: dict[str, tuple[int, ...]] = {}
+    for _, fqn, _, shape, offsets, _ in found:
+        extent = tuple(offset + size for offset, size in zip(offsets, shape, strict=True))
+        known = sizes.get(fqn, extent)
+        if len(known) != len(extent):
+            raise SnapshotError(
+                f"{directory}: tensor {fqn!r} has chunks of {len(known)} and {len(extent)} "
+                "dimensions"
+            )
+        sizes[fqn] = tuple(max(a, b) for a, b in zip(known, extent, strict=True))
+    tensors: dict[str, dict[str, _TensorMeta]] = {}
+    storage: dict[str, dict[tuple[str, tuple[int, ...] | None], StorageRef]] = {}
+    for name, fqn, dtype, shape, offsets, nbytes in found:
+        chunk = _ChunkMeta(offsets, shape)
+        tensors.setdefault(name, {})[fqn] = _TensorMeta(sizes[fqn], dtype, (chunk,))
+        storage.setdefault(name, {})[(fqn, offsets)] = StorageRef(name, 0, nbytes)
+    return [
+        MetadataFile(directory / name, tensors[name], (), storage[name], None, None)
+        for name in tensors
+    ]
+
+
+def _check_hf_complete(directory: Path, names: list[str]) -> None:
+    """The files a Hugging Face checkpoint names are all there: those of its
+    ``model.safetensors.index.json``, and every ``model-K-of-N`` of each rank's
+    ``shard-R-model-K-of-N`` run, ranks 1 to the highest (a missing last rank's file cannot be
+    told: nothing records a tensor's full shape in that layout)."""
+    index = directory / _HF_INDEX
+    if os.path.lexists(index):
+        try:
+            with os.fdopen(open_regular(index), "rb") as file:
+                weight_map = json.load(file)["weight_map"]
+            named = {str(name) for name in weight_map.values()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            raise SnapshotError(f"{index}: not a safetensors index ({_one_line(error)})") from error
+        missing = sorted(named - set(names))
+        if missing:
+            raise SnapshotError(f"{directory / missing[0]}: named by {_HF_INDEX}, but missing")
+    parts: dict[int, set[tuple[int, int]]] = {}
+    for name in names:
+        match = _HF_SHARD_NAME.fullmatch(name)
+        if match is not None:
+            rank = int(match[1] or 1)
+            parts.setdefault(rank, set()).add((int(match[2]), int(match[3])))
+    for rank in range(1, max(parts, default=0) + 1):
+        held = parts.get(rank, set())
+        total = max((count for _, count in held), default=0)
+        gone = [part for part in range(1, total + 1) if (part, total) not in held]
+        if not held or gone:
+            shard = f"shard-{rank:05d}-" if any(_HF_SHARDED.match(name) for name in names) else ""
+            what = f"{shard}model-{(gone or [1])[0]:05d}-of-{max(total, 1):05d}.safetensors"
+            raise SnapshotError(f"{directory}: no file {what}: the checkpoint is incomplete")
+
+
+def _sharding(path: Path, metadata: dict[str, Any]) -> dict[str, tuple[int, ...]] | None:
+    """The chunk offsets a per-rank file's ``DCP_SHARDING_INFO`` gives, by fqn; None without."""
+    info = metadata.get(_SAFETENSORS_SHARDING_KEY)
+    if info is None:
+        return None
+    try:
+        parsed = json.loads(info) if type(info) is str else None
+        offsets = {
+            fqn: _ints(entry["saved_offsets"], "saved_offsets")
+            for fqn, entry in parsed.items()  # type: ignore[union-attr]
+        }
+    except (ValueError, TypeError, KeyError, AttributeError) as error:
+        raise SnapshotError(
+            f"{path}: its DCP_SHARDING_INFO is not a JSON object of saved_offsets "
+            f"({_one_line(error)})"
+        ) from error
+    return offsets
+
+
+def _hf_record(path: Path, fqn: str, record: Any) -> tuple[torch.dtype, tuple[int, ...], int]:
+    """A safetensors header entry's dtype, shape and byte count, checked."""
+    where = f"{path}: tensor {fqn!r}"
+    if type(record) is not dict or record.get("dtype") not in _SAFETENSORS_DTYPES:
+        code = record.get("dtype") if type(record) is dict else None
+        raise SnapshotError(f"{where}: dtype {code!r} is not one gradstat reads")
+    try:
+        shape = _ints(record.get("shape"), "its shape")
+        begin, end = _ints(record.get("data_offsets"), "its data_offsets")
+    except ValueError as error:
+        raise SnapshotError(f"{where}: {error}") from error
+    dtype = _SAFETENSORS_DTYPES[record["dtype"]]
+    nbytes = math.prod(shape) * dtype.itemsize
+    if end - begin != nbytes:
+        raise SnapshotError(
+            f"{where}: data_offsets span {end - begin} bytes, its shape {list(shape)} of "
+            f"{dtype} needs {nbytes}"
+        )
+    return dtype, shape, nbytes
 
 
 def open_index(directory: Path) -> DcpIndex:
@@ -412,12 +587,14 @@ def open_index(directory: Path) -> DcpIndex:
     if not directory.is_dir():
         raise SnapshotError(f"{directory}: not a directory; a DCP checkpoint is a directory")
     paths = metadata_paths(directory)
-    if not paths:
+    names = [] if paths else hf_files(directory)
+    if not paths and not names and not os.path.lexists(directory / _HF_INDEX):
         raise SnapshotError(
             f"{directory}: no .metadata or __R.metadata file; not a torch.distributed.checkpoint "
             "directory, or its save did not finish"
         )
-    files = [load_metadata(path) for path in paths]
+    files = [load_metadata(path) for path in paths] if paths else _hf_metadata(directory, names)
+    paths = paths or [meta.path for meta in files]
     tensors: dict[str, TensorEntry] = {}
     declared_in: dict[str, Path] = {}
     bytes_entries: dict[str, BytesEntry] = {}
