@@ -21,7 +21,9 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
+from gradstat.snapshot import save_rank
 from tests._cli import run_gradstat
+from tests._params import param_with
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -112,3 +114,18 @@ def test_a_missing_file_of_a_hugging_face_checkpoint_is_refused_in_one_line(
         assert done.returncode == 2 and done.stdout == "", done.stdout
         (line,) = done.stderr.splitlines()
         assert said in line, line
+
+
+def test_a_rank_file_without_gradstat_metadata_is_named_not_read_as_weights(
+    tmp_path: Path,
+) -> None:
+    """A snapshot whose first rank file lost its gradstat metadata is no Hugging Face
+    checkpoint: it is named in one line, and nothing is read as weights."""
+    save_file({"w": torch.ones(3)}, tmp_path / "rank-00000.safetensors", {"format": "pt"})
+    param = param_with(torch.full((3,), 2.0), tensor_model_parallel=False)
+    save_rank(tmp_path, [("w", param)], rank=1, world_size=2, coords={"dp": [1, 2]})
+    done = run_gradstat("norm", tmp_path)
+    assert done.returncode == 2 and done.stdout == "", done.stdout
+    (line,) = done.stderr.splitlines()
+    assert f"{tmp_path / 'rank-00000.safetensors'}: a safetensors file without gradstat" in line
+    assert "beside gradstat rank files (rank-00001.safetensors)" in line, line

@@ -457,8 +457,9 @@ def _hf_metadata(directory: Path, names: list[str]) -> list[MetadataFile]:
             raise SnapshotError(f"{path}: its safetensors __metadata__ is not a JSON object")
         if _GRADSTAT_KEY in metadata:
             raise SnapshotError(
-                f"{path}: a gradstat rank file among the files of a Hugging Face checkpoint; "
-                "keep each in a directory of its own"
+                f"{directory / names[0]}: a safetensors file without gradstat metadata beside "
+                f"gradstat rank files ({name}): a damaged rank file, or a file of another kind "
+                "(keep each kind in a directory of its own)"
             )
         sharding = _sharding(path, metadata)
         for fqn, record in header.items():
