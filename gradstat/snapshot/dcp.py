@@ -403,14 +403,15 @@ def hf_files(directory: Path) -> list[str]:
     """The ``*.safetensors`` files of a checkpoint in Hugging Face's layout, sorted: what DCP's
     ``HuggingFaceStorageWriter`` writes (consolidated, or one file per rank whose
     ``DCP_SHARDING_INFO`` says where each tensor's chunk lies) and any Hugging Face model
-    folder. Empty where ``directory`` holds none, or DCP metadata, or where its first such
-    file is a gradstat rank file (its metadata names gradstat) or cannot be read as safetensors.
+    folder. Empty where ``directory`` holds none, or where its first such file is a gradstat
+    rank file (its metadata names gradstat) or cannot be read as safetensors. (DCP metadata,
+    looked for first, makes it a DCP checkpoint of the other kind.)
     """
     try:
         names = sorted(name for name in os.listdir(directory) if name.endswith(".safetensors"))
     except OSError:
         return []
-    if not names or metadata_paths(directory):
+    if not names:
         return []
     try:
         metadata = _hf_header(directory / names[0]).get("__metadata__")
