@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,22 @@ def test_a_rank_file_without_gradstat_metadata_is_named_not_read_as_weights(
     (line,) = done.stderr.splitlines()
     assert f"{tmp_path / 'rank-00000.safetensors'}: a safetensors file without gradstat" in line
     assert "beside gradstat rank files (rank-00001.safetensors)" in line, line
+
+
+@pytest.mark.parametrize(
+    ("header", "said"),
+    [
+        (b'{"deep":' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply to parse"),
+        (b'{"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"w":{}}', "lists 'w' twice"),
+    ],
+)
+def test_a_hostile_header_in_a_hugging_face_checkpoint_is_one_line(
+    tmp_path: Path, header: bytes, said: str
+) -> None:
+    save_file({"a": torch.ones(2)}, tmp_path / "model-00001-of-00002.safetensors")
+    second = tmp_path / "model-00002-of-00002.safetensors"
+    second.write_bytes(struct.pack("<Q", len(header)) + header + bytes(4))
+    done = run_gradstat("norm", tmp_path)
+    assert done.returncode == 2 and done.stdout == "", done.stdout
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"gradstat: error: {second}: ") and said in line, line

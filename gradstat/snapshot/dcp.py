@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import gc
 import io
-import json
 import math
 import os
 import re
@@ -39,6 +38,7 @@ import torch
 from gradstat.errors import SnapshotError
 from gradstat.snapshot.container import open_regular
 from gradstat.snapshot.dcp_pickle import Inert, MetadataUnpickler
+from gradstat.snapshot.format import load_json
 
 __all__ = [
     "BytesEntry",
@@ -434,7 +434,7 @@ def _hf_header(path: Path) -> dict[str, Any]:
     if len(raw) != length:
         raise SnapshotError(f"{path}: the file ends inside its safetensors header")
     try:
-        header = json.loads(raw)
+        header = load_json(path, raw.decode("utf-8"), "its safetensors header")
     except ValueError as error:
         why = _one_line(error)
         raise SnapshotError(f"{path}: a safetensors header that is not JSON ({why})") from error
@@ -503,7 +503,8 @@ def _check_hf_complete(directory: Path, names: list[str]) -> None:
     if os.path.lexists(index):
         try:
             with os.fdopen(open_regular(index), "rb") as file:
-                weight_map = json.load(file)["weight_map"]
+                text = file.read().decode("utf-8")
+            weight_map = load_json(index, text, "the index")["weight_map"]
             named = {str(name) for name in weight_map.values()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
             raise SnapshotError(f"{index}: not a safetensors index ({_one_line(error)})") from error
@@ -532,7 +533,7 @@ def _sharding(path: Path, metadata: dict[str, Any]) -> dict[str, tuple[int, ...]
     if info is None:
         return None
     try:
-        parsed = json.loads(info) if type(info) is str else None
+        parsed = load_json(path, info, "its DCP_SHARDING_INFO") if type(info) is str else None
         offsets = {
             fqn: _ints(entry["saved_offsets"], "saved_offsets")
             for fqn, entry in parsed.items()  # type: ignore[union-attr]
@@ -952,7 +953,7 @@ def _read_safetensors(
             )
         raw = _read_exactly(file, path, chunk.fqn, start + 8, header_length)
         try:
-            header = json.loads(raw)
+            header = load_json(path, raw.decode("utf-8"), "its safetensors header")
         except ValueError as error:
             raise SnapshotError(
                 f"{where}: bytes at {start} are neither a torch.save record nor a safetensors "
@@ -978,7 +979,8 @@ def _read_safetensors(
     info = sharding.get(_SAFETENSORS_SHARDING_KEY) if type(sharding) is dict else None
     if type(info) is str:
         try:
-            saved = json.loads(info).get(chunk.fqn, {}).get("saved_offsets")
+            saved = load_json(path, info, "its DCP_SHARDING_INFO").get(chunk.fqn, {})
+            saved = saved.get("saved_offsets")
         except (ValueError, AttributeError):
             saved = None
         if saved is not None and tuple(saved) != chunk.offsets:
