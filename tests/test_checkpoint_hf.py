@@ -149,3 +149,24 @@ def test_a_hostile_header_in_a_hugging_face_checkpoint_is_one_line(
     assert done.returncode == 2 and done.stdout == "", done.stdout
     (line,) = done.stderr.splitlines()
     assert line.startswith(f"gradstat: error: {second}: ") and said in line, line
+
+
+def test_float8_weights_left_out_are_warned_of(tmp_path: Path) -> None:
+    """A quantized model's float8 weights are no dtype gradstat reads: left out, as integer
+    buffers are, but said on every command (``inspect`` alone named them)."""
+    kept = {"model.embed.weight": torch.tensor([[3.0, 4.0]]), "model.q.scale": torch.tensor([2.0])}
+    tensors = {
+        **kept,
+        "model.q.weight": torch.ones(2, 2).to(torch.float8_e4m3fn),
+        "model.rope.ids": torch.arange(3),  # an integer buffer: no warning of its own
+    }
+    save_file(tensors, tmp_path / "model.safetensors")
+    report = _json("norm", tmp_path)
+    assert report["total_norm"] == pytest.approx(math.sqrt(9 + 16 + 4), rel=1e-12)
+    expected = (
+        f"{tmp_path}: 1 of the kind read left out of every statistic, of a dtype gradstat does "
+        "not read (float8_e4m3fn): model.q.weight"
+    )
+    assert report["warnings"] == [expected]
+    done = run_gradstat("zeros", tmp_path)
+    assert done.returncode == 0 and done.stderr == f"gradstat: warning: {expected}\n"

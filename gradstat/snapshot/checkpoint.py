@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ import torch
 
 from gradstat.core.axes import AXES
 from gradstat.core.placements import MeshPlacement
-from gradstat.errors import SnapshotError
+from gradstat.errors import DumpWarning, SnapshotError
 from gradstat.snapshot.container import Container, FileStamp
 from gradstat.snapshot.dcp import ChunkRef, DcpIndex, open_index, read_chunk
 from gradstat.snapshot.format import DTYPE_NAMES, EXPERT_NAME, ParamRecord, RankHeader
@@ -386,6 +387,23 @@ def left_out(
     return tuple(found)
 
 
+def _warn_unread_floats(
+    directory: Path, stored: Mapping[str, list[_Stored]], skipped: tuple[str, ...]
+) -> None:
+    """Warn of floating-point tensors of the kind read that are left out (float8 weights of a
+    quantized model): unlike an integer buffer, they are what the statistics are of."""
+    unread = [key for key in skipped if stored[key][0].dtype.is_floating_point]
+    if unread:
+        dtypes = sorted({str(stored[key][0].dtype).removeprefix("torch.") for key in unread})
+        shown = ", ".join(unread[:3]) + (", ..." if len(unread) > 3 else "")
+        warnings.warn(
+            f"{directory}: {len(unread)} of the kind read left out of every statistic, of a "
+            f"dtype gradstat does not read ({', '.join(dtypes)}): {shown}",
+            DumpWarning,
+            stacklevel=3,
+        )
+
+
 def held_kinds(kinds: Mapping[str, KeyKind]) -> tuple[tuple[str, int], ...]:
     """(kind, number of tensors) of every kind of key the checkpoint holds (``kinds``:
     :func:`classify_stored`'s), by kind."""
@@ -434,6 +452,7 @@ def open_checkpoint(directory: Path, kind: str | None = None) -> list[Checkpoint
     step = _step(directory)
     holds = held_kinds(kinds)
     skipped = left_out(stored, kinds, kind)
+    _warn_unread_floats(directory, stored, skipped)
     opened = []
     for rank, (path, occurrence) in enumerate(sorted(groups)):
         held = sorted(groups[path, occurrence], key=lambda item: item[1].chunk.storage.offset)
