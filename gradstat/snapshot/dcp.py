@@ -424,23 +424,30 @@ def _hf_header(path: Path) -> dict[str, Any]:
     """The JSON header of a whole safetensors file, checked to be an object."""
     try:
         with os.fdopen(open_regular(path), "rb") as file:
-            prefix = file.read(8)
-            length = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else 0
-            if not 0 < length <= _MAX_SAFETENSORS_HEADER:
-                raise SnapshotError(f"{path}: not a safetensors file (no header length)")
-            raw = file.read(length)
+            return _blob_header(file, path, str(path), 0)[1]
     except OSError as error:
         raise SnapshotError(f"{path}: cannot read ({error.strerror or error})") from error
+
+
+def _blob_header(file: IO[bytes], path: Path, where: str, start: int) -> tuple[int, dict[str, Any]]:
+    """Where the data of the safetensors blob at byte ``start`` begins, and its JSON header,
+    checked to be an object; ``where`` begins each message."""
+    file.seek(start)
+    prefix = file.read(8)
+    length = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else 0
+    if not 0 < length <= _MAX_SAFETENSORS_HEADER:
+        raise SnapshotError(f"{where}: no safetensors header at byte {start} (no header length)")
+    raw = file.read(length)
     if len(raw) != length:
-        raise SnapshotError(f"{path}: the file ends inside its safetensors header")
+        raise SnapshotError(f"{where}: the file ends inside the safetensors header at {start}")
     try:
         header = load_json(path, raw.decode("utf-8"), "its safetensors header")
     except ValueError as error:
         why = _one_line(error)
-        raise SnapshotError(f"{path}: a safetensors header that is not JSON ({why})") from error
+        raise SnapshotError(f"{where}: no safetensors header at byte {start} ({why})") from error
     if type(header) is not dict:
-        raise SnapshotError(f"{path}: a safetensors header that is not a JSON object")
-    return header
+        raise SnapshotError(f"{where}: the safetensors header at {start} is not a JSON object")
+    return start + 8 + length, header
 
 
 def _hf_metadata(directory: Path, names: list[str]) -> list[MetadataFile]:
@@ -464,14 +471,14 @@ def _hf_metadata(directory: Path, names: list[str]) -> list[MetadataFile]:
             )
         sharding = _sharding(path, metadata)
         for fqn, record in header.items():
-            dtype, shape, nbytes = _hf_record(path, fqn, record)
+            dtype, shape, begin, end = _blob_record(f"{path}: tensor {fqn!r}", record)
             offsets = (0,) * len(shape) if sharding is None else sharding.get(fqn)
             if offsets is None or len(offsets) != len(shape):
                 raise SnapshotError(
                     f"{path}: tensor {fqn!r}: its DCP_SHARDING_INFO gives no offsets of "
                     f"{len(shape)} dimensions"
                 )
-            found.append((name, fqn, dtype, shape, offsets, nbytes))
+            found.append((name, fqn, dtype, shape, offsets, end - begin))
     sizes: dict[str, tuple[int, ...]] = {}
     for _, fqn, _, shape, offsets, _ in found:
         extent = tuple(offset + size for offset, size in zip(offsets, shape, strict=True))
@@ -546,9 +553,9 @@ def _sharding(path: Path, metadata: dict[str, Any]) -> dict[str, tuple[int, ...]
     return offsets
 
 
-def _hf_record(path: Path, fqn: str, record: Any) -> tuple[torch.dtype, tuple[int, ...], int]:
-    """A safetensors header entry's dtype, shape and byte count, checked."""
-    where = f"{path}: tensor {fqn!r}"
+def _blob_record(where: str, record: Any) -> tuple[torch.dtype, tuple[int, ...], int, int]:
+    """A safetensors header entry's dtype, shape and data offsets, checked: a dtype gradstat
+    reads, and offsets that span the shape's bytes."""
     if type(record) is not dict or record.get("dtype") not in _SAFETENSORS_DTYPES:
         code = record.get("dtype") if type(record) is dict else None
         raise SnapshotError(f"{where}: dtype {code!r} is not one gradstat reads")
@@ -564,7 +571,7 @@ def _hf_record(path: Path, fqn: str, record: Any) -> tuple[torch.dtype, tuple[in
             f"{where}: data_offsets span {end - begin} bytes, its shape {list(shape)} of "
             f"{dtype} needs {nbytes}"
         )
-    return dtype, shape, nbytes
+    return dtype, shape, begin, end
 
 
 def open_index(directory: Path) -> DcpIndex:
@@ -944,37 +951,12 @@ def _read_safetensors(
     start = chunk.storage.offset
     where = f"{path}: tensor {chunk.fqn!r}"
     if start not in headers:
-        prefix = _read_exactly(file, path, chunk.fqn, start, 8)
-        (header_length,) = struct.unpack("<Q", prefix)
-        if header_length > _MAX_SAFETENSORS_HEADER:
-            raise SnapshotError(
-                f"{where}: bytes at {start} are neither a torch.save record nor a safetensors "
-                "header; the metadata does not describe this file"
-            )
-        raw = _read_exactly(file, path, chunk.fqn, start + 8, header_length)
-        try:
-            header = load_json(path, raw.decode("utf-8"), "its safetensors header")
-        except ValueError as error:
-            raise SnapshotError(
-                f"{where}: bytes at {start} are neither a torch.save record nor a safetensors "
-                f"header ({_one_line(error)})"
-            ) from error
-        if type(header) is not dict:
-            raise SnapshotError(f"{where}: the safetensors header at {start} is not an object")
-        headers[start] = (start + 8 + header_length, header)
+        headers[start] = _blob_header(file, path, where, start)
     data_start, header = headers[start]
     record = header.get(chunk.fqn)
-    if (
-        type(record) is not dict
-        or record.get("dtype") not in _SAFETENSORS_DTYPES
-        or not isinstance(record.get("shape"), list)
-        or not isinstance(record.get("data_offsets"), list)
-        or len(record["data_offsets"]) != 2
-        or not all(type(item) is int and item >= 0 for item in record["data_offsets"])
-    ):
-        raise SnapshotError(
-            f"{where}: the safetensors blob at byte {start} has no usable record for it"
-        )
+    if record is None:
+        raise SnapshotError(f"{where}: the safetensors blob at byte {start} has no record of it")
+    dtype, shape, begin, end = _blob_record(where, record)
     sharding = header.get("__metadata__", {})
     info = sharding.get(_SAFETENSORS_SHARDING_KEY) if type(sharding) is dict else None
     if type(info) is str:
@@ -988,20 +970,17 @@ def _read_safetensors(
                 f"{where}: the file holds the chunk at offsets {saved}, the metadata says "
                 f"{list(chunk.offsets)}"
             )
-    dtype = _SAFETENSORS_DTYPES[record["dtype"]]
-    shape = tuple(record["shape"])
-    begin, end = record["data_offsets"]
     if shape != chunk.sizes or dtype != chunk.dtype:
         raise SnapshotError(
             f"{where}: the chunk at offsets {list(chunk.offsets)} holds {list(shape)} {dtype}, "
             f"the metadata says {list(chunk.sizes)} {chunk.dtype}; the metadata does not "
             "describe this file"
         )
-    nbytes = math.prod(shape) * dtype.itemsize
-    if end - begin != nbytes or nbytes != chunk.storage.length:
+    nbytes = end - begin
+    if nbytes != chunk.storage.length:
         raise SnapshotError(
-            f"{where}: its safetensors record spans {end - begin} bytes, its shape needs "
-            f"{nbytes} and the metadata says {chunk.storage.length}"
+            f"{where}: its safetensors record spans {nbytes} bytes, the metadata says "
+            f"{chunk.storage.length}"
         )
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
