@@ -151,21 +151,52 @@ def test_a_hostile_header_in_a_hugging_face_checkpoint_is_one_line(
     assert line.startswith(f"gradstat: error: {second}: ") and said in line, line
 
 
-def test_float8_weights_left_out_are_warned_of(tmp_path: Path) -> None:
-    """A quantized model's float8 weights are no dtype gradstat reads: left out, as integer
-    buffers are, but said on every command (``inspect`` alone named them)."""
-    kept = {"model.embed.weight": torch.tensor([[3.0, 4.0]]), "model.q.scale": torch.tensor([2.0])}
-    tensors = {
-        **kept,
-        "model.q.weight": torch.ones(2, 2).to(torch.float8_e4m3fn),
-        "model.rope.ids": torch.arange(3),  # an integer buffer: no warning of its own
-    }
-    save_file(tensors, tmp_path / "model.safetensors")
+def _save_raw(tensors: dict[str, tuple[str, list[int], bytes]], path: Path) -> None:
+    """A safetensors file written byte by byte: name -> (dtype code, shape, data), for dtypes
+    that ``save_file`` does not take."""
+    header: dict[str, object] = {}
+    data = b""
+    for name, (code, shape, raw) in tensors.items():
+        header[name] = {
+            "dtype": code,
+            "shape": shape,
+            "data_offsets": [len(data), len(data) + len(raw)],
+        }
+        data += raw
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+@pytest.mark.parametrize(
+    ("code", "dtype"),
+    [
+        ("F8_E4M3", "float8_e4m3fn"),
+        ("F8_E5M2", "float8_e5m2"),
+        ("F8_E4M3FNUZ", "float8_e4m3fnuz"),
+        ("F8_E5M2FNUZ", "float8_e5m2fnuz"),
+        ("F8_E8M0", "float8_e8m0fnu"),
+    ],
+)
+def test_float8_weights_left_out_are_warned_of(tmp_path: Path, code: str, dtype: str) -> None:
+    """A quantized model's float8 weights (or its MX block scales, E8M0) are no dtype gradstat
+    reads: left out, as integer buffers are, but said on every command (``inspect`` alone named
+    them); each safetensors float8 code is known, not a refusal of the whole checkpoint."""
+    f32 = struct.Struct("<f")
+    _save_raw(
+        {
+            "model.embed.weight": ("F32", [1, 2], f32.pack(3.0) + f32.pack(4.0)),
+            "model.q.scale": ("F32", [1], f32.pack(2.0)),
+            "model.q.weight": (code, [2, 2], bytes([0x38, 0x40, 0x48, 0x50])),
+            "model.rope.ids": ("I64", [3], struct.pack("<3q", 0, 1, 2)),  # no warning of its own
+        },
+        tmp_path / "model.safetensors",
+    )
     report = _json("norm", tmp_path)
     assert report["total_norm"] == pytest.approx(math.sqrt(9 + 16 + 4), rel=1e-12)
     expected = (
         f"{tmp_path}: 1 of the kind read left out of every statistic, of a dtype gradstat does "
-        "not read (float8_e4m3fn): model.q.weight"
+        f"not read ({dtype}): model.q.weight"
     )
     assert report["warnings"] == [expected]
     done = run_gradstat("zeros", tmp_path)

@@ -75,6 +75,9 @@ _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
         "C64": torch.complex64,
         "F8_E4M3": getattr(torch, "float8_e4m3fn", None),
         "F8_E5M2": getattr(torch, "float8_e5m2", None),
+        "F8_E4M3FNUZ": getattr(torch, "float8_e4m3fnuz", None),
+        "F8_E5M2FNUZ": getattr(torch, "float8_e5m2fnuz", None),
+        "F8_E8M0": getattr(torch, "float8_e8m0fnu", None),  # MX block scales
         "U16": getattr(torch, "uint16", None),
         "U32": getattr(torch, "uint32", None),
         "U64": getattr(torch, "uint64", None),
