@@ -492,6 +492,25 @@ def test_compare_flags_a_checkpoint_against_itself_as_unchanged(
         assert row["max_abs_diff"] == 0.0 and row["flags"] == ["unchanged"], row
 
 
+@pytest.mark.parametrize("order", ["snapshot first", "checkpoint first"])
+def test_compare_refuses_gradients_against_weights(
+    jobs: tuple[Path, dict[str, Any]], order: str
+) -> None:
+    """A gradient snapshot against a checkpoint's weights (or Adam moments) would flag every
+    parameter for differing, which says nothing: one line, exit 2, naming both kinds."""
+    root, _ = jobs
+    pair = [str(root / "fsdp2-snapshot"), str(root / STEP_A)]
+    if order == "checkpoint first":
+        pair.reverse()
+    line = _one_error_line("compare", *pair)
+    assert "model weights" in line and "gradients" in line and pair[1] in line, line
+    line = _one_error_line("compare", str(root / STEP_A), str(root / STEP_B), "--kind", "grad")
+    assert "--kind" in line, line  # the checkpoint holds no gradients: said as before
+    # A checkpoint's gradients (its grads tree) against a gradient snapshot: the same kind.
+    code, result = _cli("compare", str(root / "fsdp2-grads"), str(root / "fsdp2-snapshot"))
+    assert code == 0 and result["mismatches"] == []
+
+
 # --- 6. Under torchrun ----------------------------------------------------------------------------
 
 

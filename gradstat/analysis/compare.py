@@ -46,7 +46,9 @@ from gradstat.analysis.tiles import (
     wide_chunks,
 )
 from gradstat.distributed.runner import Processes, gather_jobs, together
+from gradstat.errors import SnapshotError
 from gradstat.snapshot import Snapshot
+from gradstat.snapshot.checkpoint import kind_said
 
 __all__ = ["CompareReport", "ParamDiff", "TotalDiff", "compare_snapshots", "ratio", "rel_diff"]
 
@@ -237,6 +239,18 @@ def _param_diff(
     )
 
 
+def _check_kinds(snapshot_a: Snapshot, snapshot_b: Snapshot) -> None:
+    """Refuse two snapshots of different kinds of tensor (a gradient snapshot against a
+    checkpoint's weights): every parameter would be flagged, and no flag would mean anything."""
+    info_a, info_b = snapshot_info(snapshot_a), snapshot_info(snapshot_b)
+    kind_a, kind_b = info_a.kind or "grad", info_b.kind or "grad"
+    if kind_a != kind_b:
+        raise SnapshotError(
+            f"{info_b.path}: holds {kind_said(kind_b)}, {info_a.path} {kind_said(kind_a)}: "
+            "compare compares one kind of tensor (--kind chooses a checkpoint's)"
+        )
+
+
 def compare_snapshots(
     snapshot_a: Snapshot,
     snapshot_b: Snapshot,
@@ -256,6 +270,7 @@ def compare_snapshots(
         rtol: relative tolerance for norms and for elementwise differences.
         device: where norms and zeros are reduced.
     """
+    together(processes, partial(_check_kinds, snapshot_a, snapshot_b))
     request = Request.make((2.0,), True, device)
     stats_a = merge(gather_pieces(snapshot_a, request, processes, stage="reading A"), request)
     stats_b = merge(gather_pieces(snapshot_b, request, processes, stage="reading B"), request)
