@@ -391,8 +391,13 @@ def _warn_unread_floats(
     directory: Path, stored: Mapping[str, list[_Stored]], skipped: tuple[str, ...]
 ) -> None:
     """Warn of floating-point tensors of the kind read that are left out (float8 weights of a
-    quantized model): unlike an integer buffer, they are what the statistics are of."""
-    unread = [key for key in skipped if stored[key][0].dtype.is_floating_point]
+    quantized model): unlike an integer buffer, they are what the statistics are of. A step
+    counter left out of ``all`` is a float32 tensor read as such: no warning."""
+    unread = [
+        key
+        for key in skipped
+        if stored[key][0].dtype.is_floating_point and stored[key][0].dtype not in _READ
+    ]
     if unread:
         dtypes = sorted({str(stored[key][0].dtype).removeprefix("torch.") for key in unread})
         shown = ", ".join(unread[:3]) + (", ..." if len(unread) > 3 else "")
