@@ -396,6 +396,21 @@ def test_missing_directory(tmp_path: Path) -> None:
     assert result.stderr.strip() == f"gradstat: error: {tmp_path / 'absent'}: no such directory"
 
 
+@pytest.mark.parametrize("name", ["rank-00000.safetensors", "mp_rank_00.pth", "notes.txt"])
+def test_a_file_given_for_a_snapshot_names_its_directory(tmp_path: Path, name: str) -> None:
+    """A rank file (or a wgrads file) given where its snapshot belongs: the line says to pass
+    the directory that holds it; another file is only not a directory."""
+    shutil.copytree(SAMPLE_DATA / "tp2-pp2-dp2-ep2-distopt", tmp_path / "snap")
+    path = tmp_path / "snap" / name
+    path.touch()
+    result = CliRunner().invoke(app, ["norm", str(path)])
+    assert result.exit_code == 2
+    said = f"gradstat: error: {path}: not a directory"
+    if name != "notes.txt":
+        said += f"; pass the snapshot, the directory that holds it ({tmp_path / 'snap'})"
+    assert result.stderr.strip() == said
+
+
 def test_symlink_loop_directory(tmp_path: Path) -> None:
     loop = tmp_path / "snapshot"
     loop.symlink_to("snapshot")

@@ -411,7 +411,9 @@ def rank_file_names(folder: Path) -> list[str]:
     except OSError as error:
         raise SnapshotError(f"{folder}: {_stat_problem(error, 'directory')}") from error
     if not stat.S_ISDIR(mode):
-        raise SnapshotError(f"{folder}: not a directory")
+        kind = folder.suffix == ".safetensors" or is_wgrads_name(folder.name)
+        hint = f"; pass the snapshot, the directory that holds it ({folder.parent})" if kind else ""
+        raise SnapshotError(f"{folder}: not a directory{hint}")
     listed = os.listdir(folder)
     names = sorted(name for name in listed if name.endswith(".safetensors"))
     dumped = sorted(name for name in listed if is_wgrads_name(name))
