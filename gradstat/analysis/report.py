@@ -604,7 +604,7 @@ def inspect_report(snapshot: Snapshot) -> InspectReport:
                 tensor_parallel=bool(record.attr("tensor_model_parallel")),
                 partition_dim=int(record.attr("partition_dim")),
                 shared=bool(record.attr("shared")),
-                expert=record.is_expert,
+                expert=record.expert,
                 gtp_pad_length=int(record.attr("pad_length"))
                 if record.attr("is_gtp_weight_remat")
                 else 0,

@@ -398,7 +398,7 @@ def _piece(
     return Piece(
         rank=rank_file.rank,
         name=param.name,
-        expert=param.record.is_expert,
+        expert=param.record.expert,
         numel=numel - pad,
         pad_zeros=pad,
         zeros=zeros,

@@ -342,7 +342,7 @@ class Telemetry:
             param = RebuiltParam(record)
             if counts(live, param):  # a copy counted elsewhere (shared, TP) is no name of its own
                 slot = self._slot_name(record.name)
-                names.setdefault(slot, record.is_expert)
+                names.setdefault(slot, record.expert)
                 counted.append((position, param, slot))
         return _Local(
             tuple(map(id, items)),

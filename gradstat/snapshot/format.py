@@ -270,7 +270,19 @@ class ParamRecord:
 
     @cached
     def is_expert(self) -> bool:
+        """Megatron's mark of an expert-parallel parameter (``allreduce=False``): counted over
+        the expert axes (``etp``, ``ep``, ``egtp``, ``edp``)."""
         return not self.attr("allreduce")
+
+    @cached
+    def expert(self) -> bool:
+        """Whether the statistics split it as an expert's (dense and expert norms, ``explain``):
+        Megatron's mark, or a DTensor's name under an ``experts`` module, as a checkpoint's or
+        a wgrads dump's is told (torch-native parallelism has no such attribute; placements
+        alone decide what a DTensor counts, so this changes no count)."""
+        if self.is_expert:
+            return True
+        return self.dtensor is not None and EXPERT_NAME.search(self.name) is not None
 
     @cached
     def extent(self) -> int:
