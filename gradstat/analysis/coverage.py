@@ -180,6 +180,8 @@ class Miscount(NamedTuple):
 class _Held:
     """What the counted tensors of one site hold so far."""
 
+    __slots__ = ("extent", "guessed", "held", "in_order", "pieces", "reach", "signature")
+
     def __init__(self, extent: int, guessed: bool, signature: tuple[Any, ...]) -> None:
         self.extent, self.guessed = extent, guessed
         self.held = 0
@@ -377,7 +379,9 @@ class Tally:
     """The elements the counted tensors of each site hold, as the pieces are merged."""
 
     def __init__(self) -> None:
-        self._sites: dict[tuple[str, bool, Site, int], _Held] = {}
+        # A site's first piece alone until a second comes: most sites hold one tensor (a TP
+        # shard, a pipeline stage's layer), and process 0 tallies every rank file's pieces.
+        self._sites: dict[tuple[str, bool, Site, int], _Held | Piece] = {}
 
     def add(self, piece: Piece) -> None:
         """A counted tensor's piece, at its site."""
@@ -386,19 +390,43 @@ class Tally:
         # Dense and expert copies apart: a parameter an attribute makes both is counted by
         # both optimizers, as Megatron counts it (audit's ``attributes`` finding).
         key = piece.name, piece.expert, piece.site, piece.extent
-        signature = _signature(piece)
         held = self._sites.get(key)
         if held is None:
-            held = self._sites[key] = _Held(piece.extent, piece.guessed, signature)
-        held.add(piece, piece.numel + piece.pad_zeros, signature)
+            self._sites[key] = piece
+            return
+        if not isinstance(held, _Held):
+            held = self._sites[key] = _held([held])
+        held.add(piece, piece.numel + piece.pad_zeros, _signature(piece))
 
     def miscounts(self) -> tuple[Miscount, ...]:
         found = []
         for (name, _, where, size), held in self._sites.items():
+            if not isinstance(held, _Held):
+                if _alone_fills(held, size):
+                    continue  # what _held([held]).verdict() says, without making it
+                held = _held([held])
             verdict = held.verdict()
             if verdict is not None:
                 found.append(Miscount(name, where, held.held, size, *verdict))
         return tuple(found)
+
+
+def _held(pieces: Sequence[Piece]) -> _Held:
+    """What ``pieces`` (of one site) hold."""
+    held = _Held(pieces[0].extent, pieces[0].guessed, _signature(pieces[0]))
+    for piece in pieces:
+        held.add(piece, piece.numel + piece.pad_zeros, _signature(piece))
+    return held
+
+
+def _alone_fills(piece: Piece, extent: int) -> bool:
+    """Whether one piece alone holds its site's elements once: it holds as many as the site
+    has, and its box (if it has one) starts somewhere along a first dimension (a boxed piece
+    of no dimension is placed by :func:`_placed`), as :meth:`_Held.add` takes one in order."""
+    if piece.numel + piece.pad_zeros != extent:
+        return False
+    box = piece.box
+    return box is None or not extent or bool(box[0] and box[0][0] >= 0)
 
 
 def check(where: Path, miscounts: Sequence[Miscount]) -> None:

@@ -89,6 +89,13 @@ def nan_max(values: Iterable[float]) -> float:
     return peak
 
 
+def _nan_max2(first: float, second: float) -> float:
+    """``nan_max((first, second))``, without its loop: merge takes it per piece."""
+    if math.isnan(first) or math.isnan(second):
+        return math.nan
+    return max(max(0.0, first), second)
+
+
 def relative_to(difference: float, scale: float) -> float:
     """``difference`` (a largest |a - b|) relative to ``scale`` (the largest finite |element|
     compared): 0 when there is none, inf for a difference where every finite element compared
@@ -520,6 +527,8 @@ def merge(pieces: Iterable[Piece], request: Request) -> SnapshotStats:
     tally = coverage.Tally()
     nonfinite = []
     first_peak = 0.0 if request.with_inf else None
+    finite = request.finite
+    (only,) = finite if len(finite) == 1 else (None,)
     for piece in pieces:
         if piece.row_of is None:
             if piece.nonfinite is not None:
@@ -532,7 +541,10 @@ def merge(pieces: Iterable[Piece], request: Request) -> SnapshotStats:
             # Its first piece, made whole at once (a third of merge's time went to adding it
             # to an empty ParamStats): each norm as add_norms(0, norm) gives it (-0.0 made
             # 0.0), its peak as nan_max gives it.
-            norms = dict(zip(request.finite, [norm + 0.0 for norm in piece.norms], strict=True))
+            if only is not None:  # one norm type (process 0 merges every file's pieces)
+                norms = {only: piece.norms[0] + 0.0}
+            else:
+                norms = dict(zip(finite, [norm + 0.0 for norm in piece.norms], strict=True))
             found[piece.name] = ParamStats(
                 piece.name,
                 piece.expert,
@@ -540,14 +552,14 @@ def merge(pieces: Iterable[Piece], request: Request) -> SnapshotStats:
                 piece.zeros,
                 piece.pad_zeros,
                 norms,
-                first_peak if peak is None else nan_max((first_peak or 0.0, peak)),
+                first_peak if peak is None else _nan_max2(first_peak or 0.0, peak),
                 [piece.rank],
             )
             continue
-        for norm_type, value in zip(request.finite, piece.norms, strict=True):
+        for norm_type, value in zip(finite, piece.norms, strict=True):
             stats.norms[norm_type] = kernels.add_norms(stats.norms[norm_type], value, norm_type)
         if peak is not None:
-            stats.max_abs = nan_max((stats.max_abs or 0.0, peak))
+            stats.max_abs = _nan_max2(stats.max_abs or 0.0, peak)
         stats.numel += piece.numel
         stats.pad_zeros += piece.pad_zeros
         stats.zeros += piece.zeros

@@ -257,15 +257,32 @@ class FileSummary:
         """The summaries :meth:`to_columns` made of headers another process parsed and checked
         (they are not parsed again: a rank file's header costs more to parse than its data to
         reduce)."""
-        summaries = []
+        # Every process decodes every file's summary: each header and summary is made as a
+        # copy of a first one's fields, not through the frozen dataclasses' __init__ (10.1 ->
+        # N us a file), and what the files share (their triggers) is made once.
+        summaries: list[FileSummary] = []
+        if not columns or not columns[0]:
+            return summaries
+        header_fields = RankHeader(0, 0, None, {}, False, "", ()).__dict__
+        summary_fields = cls(folder, "", 0, RankHeader(0, 0, None, {}, False, "", ())).__dict__
+        new = object.__new__
+        triggers_seen: dict[tuple[str, ...], tuple[str, ...]] = {}
         for name, size, *fields, places, missing, names in zip(*columns, strict=True):
-            values = dict(zip(_SUMMARY_FIELDS, fields, strict=True))
-            values["triggers"] = tuple(values["triggers"])
-            coords = dict(zip(AXES, map(tuple, places), strict=True))
-            header = RankHeader(**values, coords=coords, params=())
-            without = tuple((str(record), bool(expert)) for record, expert in missing)
-            digests = (int(names[0]), int(names[1]))
-            summaries.append(cls(folder, name, size, header, without, digests))
+            header = new(RankHeader)
+            state = header.__dict__
+            state.update(header_fields)
+            state.update(zip(_SUMMARY_FIELDS, fields, strict=True))
+            triggers = tuple(state["triggers"])
+            state["triggers"] = triggers_seen.setdefault(triggers, triggers)
+            state["coords"] = dict(zip(AXES, map(tuple, places), strict=True))
+            summary = new(cls)
+            state = summary.__dict__
+            state.update(summary_fields)
+            state["name"], state["size_bytes"], state["header"] = name, size, header
+            if missing:
+                state["lacking"] = tuple((str(record), bool(expert)) for record, expert in missing)
+            state["names"] = (int(names[0]), int(names[1]))
+            summaries.append(summary)
         return summaries
 
 
@@ -657,9 +674,14 @@ _AGREED_FIELDS = (
 _agreed_values = operator.attrgetter(*(key for key, _ in _AGREED_FIELDS))
 
 
+_every_axis = operator.itemgetter(*AXES)
+_dense_places = operator.itemgetter(*_DENSE_PLACES)
+_size = operator.itemgetter(1)
+
+
 def _agreed(header: RankHeader) -> tuple[Any, ...]:
     """The values of ``_AGREED_FIELDS``, then the axis sizes in ``AXES`` order."""
-    return *_agreed_values(header), tuple(header.coords[axis][1] for axis in AXES)
+    return *_agreed_values(header), tuple(map(_size, _every_axis(header.coords)))
 
 
 def _check_whole(folder: Path, files: Sequence[RankFile | FileSummary]) -> None:
@@ -692,14 +714,15 @@ def _check_whole(folder: Path, files: Sequence[RankFile | FileSummary]) -> None:
             )
     _check_places(first, world_size)
     by_rank: dict[int, RankFile | FileSummary] = {}
-    places: dict[tuple[int, ...], RankFile | FileSummary] = {}
+    # (rank, size) on each axis: the sizes are every file's (checked above).
+    places: dict[tuple[tuple[int, int], ...], RankFile | FileSummary] = {}
     for file in files:
-        if file.rank in by_rank:
-            raise SnapshotError(
-                f"{file.path}: rank {file.rank} is also in {by_rank[file.rank].path.name}"
-            )
-        by_rank[file.rank] = file
-        place = tuple(file.header.coords[axis][0] for axis in _DENSE_PLACES)
+        header = file.header
+        rank = header.rank
+        if rank in by_rank:
+            raise SnapshotError(f"{file.path}: rank {rank} is also in {by_rank[rank].path.name}")
+        by_rank[rank] = file
+        place = _dense_places(header.coords)
         if place in places:
             raise SnapshotError(
                 f"{file.path}: rank {file.rank} has the same coordinates as rank "

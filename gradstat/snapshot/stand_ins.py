@@ -14,9 +14,10 @@ reading a share of a snapshot exchange with the files' summaries (usually none).
 
 from __future__ import annotations
 
+import operator
 import zlib
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, NamedTuple
 
@@ -86,12 +87,33 @@ def listing(name: str, header: RankHeader) -> Listing:
     return Listing(name, header, lacking(header), names_digest(header))
 
 
-def _site(coords: Mapping[str, tuple[int, int]], expert: bool) -> tuple[int, ...]:
-    return tuple(coords[axis][0] for axis in _SITE_AXES[expert])
+def _getter(axes: Sequence[str]) -> Callable[[Mapping[str, tuple[int, int]]], Place]:
+    """The ``(rank, size)`` of each of ``axes`` in a file's coordinates, as one tuple (one C
+    call: every process does this for every rank file, 2 us a file as a generator)."""
+    if len(axes) == 1:
+        (axis,) = axes
+        return lambda coords: (coords[axis],)
+    return operator.itemgetter(*axes)
 
 
-def _place(coords: Mapping[str, tuple[int, int]], expert: bool) -> tuple[int, ...]:
-    return tuple(coords[axis][0] for axis in _REPLICA_AXES[expert])
+# A file's site and its place among a site's replicas: (rank, size) on each axis (the sizes
+# are every file's, checked before).
+Place = tuple[tuple[int, int], ...]
+_SITE = {expert: _getter(axes) for expert, axes in _SITE_AXES.items()}
+_PLACE = {expert: _getter(axes) for expert, axes in _REPLICA_AXES.items()}
+
+
+def _site(coords: Mapping[str, tuple[int, int]], expert: bool) -> Place:
+    return _SITE[expert](coords)
+
+
+def _place(coords: Mapping[str, tuple[int, int]], expert: bool) -> Place:
+    return _PLACE[expert](coords)
+
+
+def _lowest(place: Place) -> bool:
+    """Whether ``place`` is coordinate 0 on every axis."""
+    return not any(rank for rank, _ in place)
 
 
 def with_stand_ins(
@@ -117,18 +139,21 @@ def with_stand_ins(
         SnapshotError: replicas that list different parameters; two files holding experts at
             the same expert coordinates.
     """
-    places: dict[tuple[bool, tuple[int, ...]], set[tuple[int, ...]]] = defaultdict(set)
-    lists: dict[tuple[bool, tuple[int, ...]], tuple[int, str]] = {}  # first digest, its file
-    without: dict[tuple[bool, tuple[int, ...], str], set[tuple[int, ...]]] = defaultdict(set)
-    expert_places: dict[tuple[int, ...], str] = {}
+    places: dict[tuple[bool, Place], set[Place]] = defaultdict(set)
+    lists: dict[tuple[bool, Place], tuple[int, str]] = {}  # first digest, its file
+    without: dict[tuple[bool, Place, str], set[Place]] = defaultdict(set)
+    expert_places: dict[Place, str] = {}
+    # Every process runs this loop over every rank file: its steps are C calls where they can be.
+    sites, replicas = (_SITE[False], _SITE[True]), (_PLACE[False], _PLACE[True])
     for found in everyone:
-        coords = found.header.coords
-        if found.header.distributed_optimizer:
+        header = found.header
+        if header.distributed_optimizer:
             continue
-        if found.names[True] != _NO_NAMES:
+        coords, digests = header.coords, found.names
+        if digests[1] != _NO_NAMES:
             # Each copy of an expert is counted at expert-data-parallel coordinate 0: two files
             # at one expert place (edp left out of coords over dp ranks) would count it twice.
-            where = (*_site(coords, True), *_place(coords, True))
+            where = sites[1](coords) + replicas[1](coords)
             if where in expert_places:
                 raise SnapshotError(
                     f"{found.name} and {expert_places[where]} hold expert parameters at the "
@@ -137,12 +162,12 @@ def with_stand_ins(
                 )
             expert_places[where] = found.name
         for expert in (False, True):
-            site, place = _site(coords, expert), _place(coords, expert)
+            site, place = sites[expert](coords), replicas[expert](coords)
             seen = places[expert, site]
             # Replicas are files at other places of one site (files at one expert place that
             # hold no expert are none: their expert lists are empty, not different).
-            digest, first = lists.setdefault((expert, site), (found.names[expert], found.name))
-            if place not in seen and found.names[expert] != digest:
+            digest, first = lists.setdefault((expert, site), (digests[expert], found.name))
+            if place not in seen and digests[expert] != digest:
                 other = found.name
                 raise SnapshotError(
                     f"{first} and {other} are data-parallel replicas (their coordinates "
@@ -172,7 +197,7 @@ def with_stand_ins(
                 continue
             holders = sorted(places[expert, site] - empty)
             place = _place(header.coords, expert)
-            if holders and holders[0] == place and any(place):
+            if holders and holders[0] == place and not _lowest(place):
                 names.add(record.name)
         if names:
             file = replace(file, header=replace(header, stand_ins=frozenset(names)))
