@@ -16,7 +16,7 @@ import gradstat
 from gradstat.analysis.history import read_history
 from gradstat.cli.render import sparkline
 from gradstat.errors import SnapshotError
-from tests._cli import run_gradstat
+from tests._cli import SAMPLE_DATA, run_gradstat
 from tests._oracle import float64_norm, zeros_in
 
 SPIKE_AT, ZEROED_AT, NAN_AT, STEPS = 5, 8, 10, 11
@@ -115,6 +115,30 @@ def test_no_snapshots_is_an_error(tmp_path: Path) -> None:
         read_history(tmp_path)
     with pytest.raises(SnapshotError, match="no telemetry log"):
         read_history(tmp_path, source="log")
+
+
+def test_one_snapshot_given_for_a_run_names_its_directory(tmp_path: Path) -> None:
+    shutil.copytree(SAMPLE_DATA / "tp2-pp2-dp2-ep2-distopt", tmp_path / "step-7")
+    with pytest.raises(SnapshotError, match=r"it is one snapshot; pass the directory that holds"):
+        read_history(tmp_path / "step-7")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_a_run_of_two_kinds_of_tensor_is_refused(tmp_path: Path) -> None:
+    """Gradient snapshots beside a checkpoint's weights: a series of their norms would jump
+    between kinds, not steps (it read 26.9 then 0.1 as one parameter's history)."""
+    import torch.distributed.checkpoint as dcp
+
+    shutil.copytree(SAMPLE_DATA / "tp2-pp2-dp2-ep2-distopt", tmp_path / "step-100")
+    weights = {"model.w": torch.ones(4, 3)}
+    dcp.save(weights, checkpoint_id=str(tmp_path / "step-200"))
+    done = run_gradstat("history", tmp_path)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == (
+        f"gradstat: error: {tmp_path / 'step-200'}: holds model weights, "
+        f"{tmp_path / 'step-100'} gradients: a history follows one kind of tensor (keep each "
+        "kind in a directory of its own; --kind chooses a checkpoint's)\n"
+    )
 
 
 def test_sparkline() -> None:

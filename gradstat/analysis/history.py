@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -82,9 +82,12 @@ def find_snapshots(root: Path) -> list[Path]:
         if path.is_dir() and not path.name.startswith(".") and holds_rank_files(path)
     ]
     if not found:
+        hint = ""
+        if holds_rank_files(root):
+            hint = f": it is one snapshot; pass the directory that holds it ({root.parent})"
         raise SnapshotError(
             f"{root}: no snapshot directories (with *.safetensors, a Megatron wgrads dump's "
-            "mp_rank_*.pth, or a DCP checkpoint's .metadata) inside, and no telemetry log"
+            f"mp_rank_*.pth, or a DCP checkpoint's .metadata) inside, and no telemetry log{hint}"
         )
     return found
 
@@ -369,6 +372,7 @@ def _from_snapshots(
         opened.append((_step_of(snapshot, index), path, snapshot))
     if unreadable and not opened:
         raise unreadable[0]
+    _check_one_kind(opened)
     opened.sort(key=lambda entry: (entry[0], _repeat_of(entry[1], entry[0]) or 0, entry[1].name))
     for (step, path, _), (other, earlier, _) in zip(opened[1:], opened, strict=False):
         replayed = _repeat_of(path, step) is not None and _repeat_of(earlier, step) is not None
@@ -395,6 +399,31 @@ def _from_snapshots(
     if not history.steps:
         raise SnapshotError(f"{root}: none of its {len(chosen)} snapshots could be read")
     return history
+
+
+def _kind(snapshot: Snapshot) -> str:
+    """What a snapshot's tensors are: a checkpoint's kind read, else gradients."""
+    from gradstat.snapshot.checkpoint import CheckpointFile
+
+    first = snapshot.files[0]
+    return first.kind if isinstance(first, CheckpointFile) else "grad"
+
+
+def _check_one_kind(opened: Sequence[tuple[int, Path, Snapshot]]) -> None:
+    """Refuse a series of two kinds of tensor (gradient snapshots beside a checkpoint's
+    weights): its norms would jump between kinds, not steps."""
+    from gradstat.snapshot.checkpoint import kind_said
+
+    _, first_path, first = opened[0]
+    expected = _kind(first)
+    for _, path, snapshot in opened[1:]:
+        kind = _kind(snapshot)
+        if kind != expected:
+            raise SnapshotError(
+                f"{path}: holds {kind_said(kind)}, {first_path} {kind_said(expected)}: a "
+                "history follows one kind of tensor (keep each kind in a directory of its own; "
+                "--kind chooses a checkpoint's)"
+            )
 
 
 def _read_kept(
