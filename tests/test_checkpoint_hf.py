@@ -201,3 +201,13 @@ def test_float8_weights_left_out_are_warned_of(tmp_path: Path, code: str, dtype:
     assert report["warnings"] == [expected]
     done = run_gradstat("zeros", tmp_path)
     assert done.returncode == 0 and done.stderr == f"gradstat: warning: {expected}\n"
+
+
+def test_the_report_names_the_layout(tmp_path: Path) -> None:
+    """A Hugging Face folder is read as a DCP checkpoint (the JSON's source says ``dcp``), but
+    the report's first line names what it is."""
+    save_file({"model.w": torch.ones(2, 3)}, tmp_path / "model.safetensors")
+    done = run_gradstat("norm", tmp_path)
+    assert done.returncode == 0
+    assert done.stdout.splitlines()[0] == f"{tmp_path}: Hugging Face checkpoint, model weights"
+    assert _json("norm", tmp_path)["snapshot"]["source"] == "dcp"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -163,8 +164,11 @@ def _header(console: Console, info: SnapshotInfo) -> None:
         parts = [f"Megatron wgrads dump, {_count(info.world_size, 'file')}"]
     elif info.source == "dcp":
         from gradstat.snapshot.checkpoint import kind_said
+        from gradstat.snapshot.dcp import metadata_paths
 
-        parts = [f"DCP checkpoint, {kind_said(info.kind or '')}"]
+        # DCP's own metadata, or Hugging Face's safetensors layout (read as a DCP checkpoint).
+        label = "DCP checkpoint" if metadata_paths(Path(info.path)) else "Hugging Face checkpoint"
+        parts = [f"{label}, {kind_said(info.kind or '')}"]
     elif info.distributed_optimizer:
         parts = [_count(info.world_size, "rank"), "distributed optimizer"]
     elif info.dtensor:
