@@ -1,4 +1,5 @@
-"""Experts of a torch-native MoE (FSDP2 or EP DTensors): dense and expert norms by name.
+"""Experts of a torch-native MoE (FSDP2 DTensors, or DDP's plain replicas): dense and expert
+norms by name.
 
 torch-native parallelism sets no Megatron ``allreduce=False`` on expert parameters. A DCP
 checkpoint and a wgrads dump tell experts by name (under an ``experts`` module); a DTensor
@@ -6,8 +7,10 @@ snapshot told none, so the same gradients gave ``expert_norm`` 0 there and the t
 checkpoint: ``compare`` flagged them as differing (exit 1), and ``explain`` could not name a
 norm that left the experts out. The snapshot here is written as ``dump_rank`` writes an FSDP2
 job's (``Shard(0)`` records over 2 data-parallel ranks, 2 pipeline stages whose lists hold the
-same shapes in another order), the checkpoint by ``dcp.save`` of the full gradients; the
-expected norms are ``math.fsum`` of the full tensors' squares.
+same shapes in another order) or a DDP job's (each rank a full replica, no attribute), the
+checkpoint by ``dcp.save`` of the full gradients; the expected norms are ``math.fsum`` of the
+full tensors' squares. A Megatron parameter is an expert by its ``allreduce=False`` alone
+(``tests/test_experts.py``).
 """
 
 from __future__ import annotations
@@ -68,6 +71,21 @@ def _write_fsdp2_snapshot(directory: Path, grads: dict[str, torch.Tensor]) -> No
                 write_container(file, {METADATA_KEY: header.to_json()}, tensors)
 
 
+def _write_ddp_snapshot(directory: Path, grads: dict[str, torch.Tensor]) -> None:
+    """Rank ``stage * DP + d`` holds its stage's full gradients, a data-parallel replica (as
+    ``dump_rank`` writes a DDP job's: plain tensors, no Megatron attribute)."""
+    directory.mkdir()
+    for stage, names in enumerate(STAGES):
+        for d in range(DP):
+            rank = stage * DP + d
+            records = tuple(ParamRecord(name, True, SHAPE, "float32", SHAPE) for name in names)
+            coords = check_coords({"dp": [d, DP], "pp": [stage, len(STAGES)]})
+            header = RankHeader(rank, DP * len(STAGES), 3, coords, False, "grad", records)
+            tensors = [(name, grads[name].clone()) for name in names]
+            with open(directory / f"rank-{rank:05d}.safetensors", "wb") as file:
+                write_container(file, {METADATA_KEY: header.to_json()}, tensors)
+
+
 def _l2(tensors: list[torch.Tensor]) -> float:
     return math.sqrt(math.fsum(v * v for t in tensors for v in t.double().reshape(-1).tolist()))
 
@@ -78,11 +96,14 @@ def _json(*args: str) -> tuple[int, dict[str, Any]]:
     return result.exit_code, json.loads(result.stdout)
 
 
-@pytest.fixture(scope="module")
-def moe(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[str, torch.Tensor]]:
-    root = tmp_path_factory.mktemp("torch-native-moe")
+@pytest.fixture(scope="module", params=["fsdp2", "ddp"])
+def moe(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> tuple[Path, Path, dict[str, torch.Tensor]]:
+    root = tmp_path_factory.mktemp(f"torch-native-moe-{request.param}")
     grads = _full_gradients()
-    _write_fsdp2_snapshot(root / "snapshot", grads)
+    write = _write_fsdp2_snapshot if request.param == "fsdp2" else _write_ddp_snapshot
+    write(root / "snapshot", grads)
     dcp.save({"grads": grads}, checkpoint_id=str(root / "checkpoint"))
     return root / "snapshot", root / "checkpoint", grads
 

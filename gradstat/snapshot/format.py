@@ -277,12 +277,15 @@ class ParamRecord:
     @cached
     def expert(self) -> bool:
         """Whether the statistics split it as an expert's (dense and expert norms, ``explain``):
-        Megatron's mark, or a DTensor's name under an ``experts`` module, as a checkpoint's or
-        a wgrads dump's is told (torch-native parallelism has no such attribute; placements
-        alone decide what a DTensor counts, so this changes no count)."""
+        Megatron's mark, or, for a parameter of torch-native parallelism (a DTensor, or a
+        plain tensor without any Megatron attribute: DDP), its name under an ``experts``
+        module, as a checkpoint's or a wgrads dump's is told. What counts is placed by
+        ``is_expert`` (and a DTensor's placements): this changes no count."""
         if self.is_expert:
             return True
-        return self.dtensor is not None and EXPERT_NAME.search(self.name) is not None
+        if self.dtensor is None and self.attrs:
+            return False  # Megatron's attributes say it
+        return EXPERT_NAME.search(self.name) is not None
 
     @cached
     def extent(self) -> int:
