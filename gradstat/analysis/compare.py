@@ -24,6 +24,7 @@ from gradstat.analysis.report import (
     SnapshotInfo,
     TotalDiff,
     snapshot_info,
+    tensor_kind,
 )
 from gradstat.analysis.stats import (
     ParamStats,
@@ -242,12 +243,12 @@ def _param_diff(
 def _check_kinds(snapshot_a: Snapshot, snapshot_b: Snapshot) -> None:
     """Refuse two snapshots of different kinds of tensor (a gradient snapshot against a
     checkpoint's weights): every parameter would be flagged, and no flag would mean anything."""
-    info_a, info_b = snapshot_info(snapshot_a), snapshot_info(snapshot_b)
-    kind_a, kind_b = info_a.kind or "grad", info_b.kind or "grad"
+    kind_a, kind_b = tensor_kind(snapshot_a), tensor_kind(snapshot_b)
     if kind_a != kind_b:
         raise SnapshotError(
-            f"{info_b.path}: holds {kind_said(kind_b)}, {info_a.path} {kind_said(kind_a)}: "
-            "compare compares one kind of tensor (--kind chooses a checkpoint's)"
+            f"{snapshot_b.directory}: holds {kind_said(kind_b)}, {snapshot_a.directory} "
+            f"{kind_said(kind_a)}: compare compares one kind of tensor (--kind chooses a "
+            "checkpoint's)"
         )
 
 

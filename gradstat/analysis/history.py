@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gradstat.analysis import coverage
-from gradstat.analysis.report import json_number, recorded_differs
+from gradstat.analysis.report import json_number, recorded_differs, tensor_kind
 from gradstat.analysis.stats import SnapshotStats, snapshot_stats
 from gradstat.errors import SnapshotError
 from gradstat.snapshot.format import recorded_norm
@@ -401,23 +401,15 @@ def _from_snapshots(
     return history
 
 
-def _kind(snapshot: Snapshot) -> str:
-    """What a snapshot's tensors are: a checkpoint's kind read, else gradients."""
-    from gradstat.snapshot.checkpoint import CheckpointFile
-
-    first = snapshot.files[0]
-    return first.kind if isinstance(first, CheckpointFile) else "grad"
-
-
 def _check_one_kind(opened: Sequence[tuple[int, Path, Snapshot]]) -> None:
     """Refuse a series of two kinds of tensor (gradient snapshots beside a checkpoint's
     weights): its norms would jump between kinds, not steps."""
     from gradstat.snapshot.checkpoint import kind_said
 
     _, first_path, first = opened[0]
-    expected = _kind(first)
+    expected = tensor_kind(first)
     for _, path, snapshot in opened[1:]:
-        kind = _kind(snapshot)
+        kind = tensor_kind(snapshot)
         if kind != expected:
             raise SnapshotError(
                 f"{path}: holds {kind_said(kind)}, {first_path} {kind_said(expected)}: a "

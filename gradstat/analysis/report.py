@@ -167,6 +167,12 @@ def snapshot_info(snapshot: Snapshot | SnapshotShare) -> SnapshotInfo:
     )
 
 
+def tensor_kind(snapshot: Snapshot | SnapshotShare) -> str:
+    """What a snapshot's tensors are: a checkpoint's kind read (``weight``, ``exp_avg``...),
+    else ``grad``. Two snapshots of different kinds neither compare nor make one history."""
+    return snapshot_info(snapshot).kind or "grad"
+
+
 def _source(snapshot: Snapshot | SnapshotShare) -> str:
     if is_dcp_directory(snapshot.directory):
         return "dcp"
