@@ -145,3 +145,24 @@ def test_explain_names_a_norm_that_left_the_experts_out(
     best = report["rows"][0]
     assert best["name"] == "experts_left_out" and best["match"], report["rows"][:3]
     assert sorted(best["params"]) == sorted(name for name in grads if ".experts." in name)
+
+
+@pytest.mark.parametrize(
+    ("name", "attrs", "dtensor", "expert"),
+    [
+        ("layers.0.moe.experts.w1", {}, False, True),  # DDP: no Megatron attribute at all
+        ("layers.0.moe.experts.w1", {}, True, True),  # FSDP2
+        ("layers.0.moe.experts.w1", {"tensor_model_parallel": True}, True, True),
+        # Megatron's attributes say it: a plain tensor carrying them is an expert by allreduce
+        ("layers.0.mlp.experts.w1", {"tensor_model_parallel": False}, False, False),
+        ("layers.0.mlp.router.weight", {"allreduce": False}, False, True),
+        ("layers.0.mlp.shared_experts.fc1.weight", {}, False, False),  # shared experts: dense
+    ],
+)
+def test_which_records_are_experts(
+    name: str, attrs: dict[str, Any], dtensor: bool, expert: bool
+) -> None:
+    mesh = MeshPlacement((DP,), (0,), ("S(0)",), SHAPE, ("dp_shard",), (0, 0, 0))
+    record = ParamRecord(name, True, SHAPE, "float32", SHAPE, attrs, mesh if dtensor else None)
+    assert record.expert is expert
+    assert record.is_expert is (attrs.get("allreduce") is False)  # what counts: unchanged
