@@ -24,7 +24,6 @@ from gradstat.analysis.report import (
     SnapshotInfo,
     TotalDiff,
     snapshot_info,
-    tensor_kind,
 )
 from gradstat.analysis.stats import (
     ParamStats,
@@ -240,16 +239,18 @@ def _param_diff(
     )
 
 
-def _check_kinds(snapshot_a: Snapshot, snapshot_b: Snapshot) -> None:
-    """Refuse two snapshots of different kinds of tensor (a gradient snapshot against a
-    checkpoint's weights): every parameter would be flagged, and no flag would mean anything."""
-    kind_a, kind_b = tensor_kind(snapshot_a), tensor_kind(snapshot_b)
-    if kind_a != kind_b:
+def _of_one_kind(snapshot_a: Snapshot, snapshot_b: Snapshot) -> tuple[SnapshotInfo, SnapshotInfo]:
+    """What the two snapshots say of themselves; refused when they hold different kinds of
+    tensor (a gradient snapshot against a checkpoint's weights): every parameter would be
+    flagged, and no flag would mean anything."""
+    info_a, info_b = snapshot_info(snapshot_a), snapshot_info(snapshot_b)
+    if info_a.tensor_kind != info_b.tensor_kind:
         raise SnapshotError(
-            f"{snapshot_b.directory}: holds {kind_said(kind_b)}, {snapshot_a.directory} "
-            f"{kind_said(kind_a)}: compare compares one kind of tensor (--kind chooses a "
-            "checkpoint's)"
+            f"{info_b.path}: holds {kind_said(info_b.tensor_kind)}, {info_a.path} "
+            f"{kind_said(info_a.tensor_kind)}: compare compares one kind of tensor (--kind "
+            "chooses a checkpoint's)"
         )
+    return info_a, info_b
 
 
 def compare_snapshots(
@@ -271,7 +272,7 @@ def compare_snapshots(
         rtol: relative tolerance for norms and for elementwise differences.
         device: where norms and zeros are reduced.
     """
-    together(processes, partial(_check_kinds, snapshot_a, snapshot_b))
+    info_a, info_b = together(processes, partial(_of_one_kind, snapshot_a, snapshot_b))
     request = Request.make((2.0,), True, device)
     stats_a = merge(gather_pieces(snapshot_a, request, processes, stage="reading A"), request)
     stats_b = merge(gather_pieces(snapshot_b, request, processes, stage="reading B"), request)
@@ -289,7 +290,6 @@ def compare_snapshots(
         unit="parameters",
     )
     elementwise = dict(zip(common, found, strict=True))
-    info_a, info_b = snapshot_info(snapshot_a), snapshot_info(snapshot_b)
     updates = is_update(info_a, info_b)
     params = tuple(
         _param_diff(name, by_name, elementwise.get(name), rtol, updates) for name in names

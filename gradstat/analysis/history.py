@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gradstat.analysis import coverage
-from gradstat.analysis.report import json_number, recorded_differs, tensor_kind
+from gradstat.analysis.report import json_number, recorded_differs, snapshot_info
 from gradstat.analysis.stats import SnapshotStats, snapshot_stats
 from gradstat.errors import SnapshotError
 from gradstat.snapshot.format import recorded_norm
@@ -407,9 +407,9 @@ def _check_one_kind(opened: Sequence[tuple[int, Path, Snapshot]]) -> None:
     from gradstat.snapshot.checkpoint import kind_said
 
     _, first_path, first = opened[0]
-    expected = tensor_kind(first)
+    expected = snapshot_info(first).tensor_kind
     for _, path, snapshot in opened[1:]:
-        kind = tensor_kind(snapshot)
+        kind = snapshot_info(snapshot).tensor_kind
         if kind != expected:
             raise SnapshotError(
                 f"{path}: holds {kind_said(kind)}, {first_path} {kind_said(expected)}: a "

@@ -137,6 +137,12 @@ class SnapshotInfo:
     # for a gradient snapshot.
     kind: str | None = None
 
+    @property
+    def tensor_kind(self) -> str:
+        """What its tensors are: a checkpoint's kind read, else ``grad``. Two snapshots of
+        different kinds neither compare nor make one history."""
+        return self.kind or "grad"
+
 
 def _first_header(snapshot: Snapshot | SnapshotShare) -> RankHeader:
     """Rank 0's header: every rank file's for what they share (checked by the reader), and on
@@ -165,12 +171,6 @@ def snapshot_info(snapshot: Snapshot | SnapshotShare) -> SnapshotInfo:
         # attribute.
         kind=header.grad_attr if source == "dcp" else None,
     )
-
-
-def tensor_kind(snapshot: Snapshot | SnapshotShare) -> str:
-    """What a snapshot's tensors are: a checkpoint's kind read (``weight``, ``exp_avg``...),
-    else ``grad``. Two snapshots of different kinds neither compare nor make one history."""
-    return snapshot_info(snapshot).kind or "grad"
 
 
 def _source(snapshot: Snapshot | SnapshotShare) -> str:

@@ -261,8 +261,8 @@ class FileSummary:
         # copy of a template's fields, not through the frozen dataclasses' __init__ (10.3 ->
         # 6.3 us a file), and what the files share (their triggers) is made once.
         summaries: list[FileSummary] = []
-        header_fields = RankHeader(0, 0, None, {}, False, "", ()).__dict__
-        summary_fields = cls(folder, "", 0, RankHeader(0, 0, None, {}, False, "", ())).__dict__
+        template = RankHeader(0, 0, None, {}, False, "", ())
+        header_fields, summary_fields = template.__dict__, cls(folder, "", 0, template).__dict__
         new = object.__new__
         triggers_seen: dict[tuple[str, ...], tuple[str, ...]] = {}
         for name, size, *fields, places, missing, names in zip(*columns, strict=True):

@@ -96,19 +96,11 @@ def _getter(axes: Sequence[str]) -> Callable[[Mapping[str, tuple[int, int]]], Pl
     return operator.itemgetter(*axes)
 
 
-# A file's site and its place among a site's replicas: (rank, size) on each axis (the sizes
-# are every file's, checked before).
+# A file's site and its place among a site's replicas, by expert (False, True): (rank, size)
+# on each axis (the sizes are every file's, checked before).
 Place = tuple[tuple[int, int], ...]
-_SITE = {expert: _getter(axes) for expert, axes in _SITE_AXES.items()}
-_PLACE = {expert: _getter(axes) for expert, axes in _REPLICA_AXES.items()}
-
-
-def _site(coords: Mapping[str, tuple[int, int]], expert: bool) -> Place:
-    return _SITE[expert](coords)
-
-
-def _place(coords: Mapping[str, tuple[int, int]], expert: bool) -> Place:
-    return _PLACE[expert](coords)
+_SITE = (_getter(_SITE_AXES[False]), _getter(_SITE_AXES[True]))
+_PLACE = (_getter(_REPLICA_AXES[False]), _getter(_REPLICA_AXES[True]))
 
 
 def _lowest(place: Place) -> bool:
@@ -144,7 +136,6 @@ def with_stand_ins(
     without: dict[tuple[bool, Place, str], set[Place]] = defaultdict(set)
     expert_places: dict[Place, str] = {}
     # Every process runs this loop over every rank file: its steps are C calls where they can be.
-    sites, replicas = (_SITE[False], _SITE[True]), (_PLACE[False], _PLACE[True])
     for found in everyone:
         header = found.header
         if header.distributed_optimizer:
@@ -153,7 +144,7 @@ def with_stand_ins(
         if digests[1] != _NO_NAMES:
             # Each copy of an expert is counted at expert-data-parallel coordinate 0: two files
             # at one expert place (edp left out of coords over dp ranks) would count it twice.
-            where = sites[1](coords) + replicas[1](coords)
+            where = _SITE[True](coords) + _PLACE[True](coords)
             if where in expert_places:
                 raise SnapshotError(
                     f"{found.name} and {expert_places[where]} hold expert parameters at the "
@@ -162,7 +153,7 @@ def with_stand_ins(
                 )
             expert_places[where] = found.name
         for expert in (False, True):
-            site, place = sites[expert](coords), replicas[expert](coords)
+            site, place = _SITE[expert](coords), _PLACE[expert](coords)
             seen = places[expert, site]
             # Replicas are files at other places of one site (files at one expert place that
             # hold no expert are none: their expert lists are empty, not different).
@@ -177,7 +168,7 @@ def with_stand_ins(
                 )
             seen.add(place)
         for name, expert in found.lacking:
-            without[expert, _site(coords, expert), name].add(_place(coords, expert))
+            without[expert, _SITE[expert](coords), name].add(_PLACE[expert](coords))
     if not without:
         return list(files)
     if copies is None:
@@ -191,12 +182,12 @@ def with_stand_ins(
             if record.dtensor is not None:
                 continue  # placements decide: its copies are _copy_stand_ins'
             expert = record.is_expert
-            site = _site(header.coords, expert)
+            site = _SITE[expert](header.coords)
             empty = without.get((expert, site, record.name))
             if not record.has_grad or not empty:
                 continue
             holders = sorted(places[expert, site] - empty)
-            place = _place(header.coords, expert)
+            place = _PLACE[expert](header.coords)
             if holders and holders[0] == place and not _lowest(place):
                 names.add(record.name)
         if names:
